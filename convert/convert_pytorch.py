@@ -1,0 +1,9 @@
+"""Convert a PyTorch GPT-2 checkpoint (HuggingFace or nanoGPT) to gpt2_jax's orbax format, or back.
+
+    python convert/convert_pytorch.py SRC DST [--dtype float32|bfloat16] [--force] [--to-hf]
+"""
+
+from gpt2_jax.convert import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,113 @@
+"""GPT2Config: a frozen, hashable description of one GPT-2 model, with named presets.
+
+Shape legend used across the package:
+  B batch, T query positions, S cache/key positions, D model width (n_embd),
+  H heads, K head dim (D // H), F MLP width (4 D), V vocab rows, L layers, P context.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from gpt2_jax.errors import ConfigError
+
+# Activation names as transformers spells them; value = does it use the tanh approximation.
+HF_ACTIVATIONS = {"gelu_new": True, "gelu_pytorch_tanh": True, "gelu_fast": True, "gelu": False}
+
+
+@dataclasses.dataclass(frozen=True)
+class GPT2Config:
+    """Hyper-parameters of a GPT-2 model. Frozen and hashable, so it can be a static jit argument."""
+
+    vocab_size: int = 50257  # V: rows of wte (nanoGPT pads 50257 to 50304)
+    n_positions: int = 1024  # P: context length, rows of wpe
+    n_embd: int = 768  # D
+    n_layer: int = 12  # L
+    n_head: int = 12  # H
+    n_inner: int | None = None  # F; None means 4 * D, GPT-2's choice
+    layer_norm_epsilon: float = 1e-5
+    gelu_approximate: bool = True  # GPT-2 uses the tanh form; nanoGPT uses exact erf GELU
+    bias: bool = True  # nanoGPT can train without biases in Linear and LayerNorm
+    # Number of real token ids; rows at or above it are padding that is never sampled.
+    # None means every row of wte is a real token.
+    n_valid_tokens: int | None = None
+    scale_attn_weights: bool = True  # divide scores by sqrt(K)
+    scale_attn_by_inverse_layer_idx: bool = False  # also divide layer i's scores by i + 1
+    # Dropout rates; used only by the training loss when train=True, never at inference.
+    embd_pdrop: float = 0.1
+    attn_pdrop: float = 0.1
+    resid_pdrop: float = 0.1
+
+    def __post_init__(self):
+        for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"GPT2Config.{name} must be a positive int, got {value!r}")
+        if self.n_embd % self.n_head:
+            raise ConfigError(
+                f"GPT2Config: n_embd={self.n_embd} is not divisible by n_head={self.n_head}"
+            )
+        if self.n_valid_tokens is not None and not 0 < self.n_valid_tokens <= self.vocab_size:
+            raise ConfigError(
+                f"GPT2Config.n_valid_tokens={self.n_valid_tokens} must be in [1, vocab_size={self.vocab_size}]"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        """K = D // H."""
+        return self.n_embd // self.n_head
+
+    @property
+    def mlp_dim(self) -> int:
+        """F, the MLP hidden width."""
+        return self.n_inner if self.n_inner is not None else 4 * self.n_embd
+
+    @property
+    def valid_vocab(self) -> int:
+        """How many leading rows of wte are real tokens."""
+        return self.n_valid_tokens if self.n_valid_tokens is not None else self.vocab_size
+
+    @property
+    def n_params(self) -> int:
+        """Parameter count with the unembedding tied to wte (as GPT-2 is)."""
+        d, f, b = self.n_embd, self.mlp_dim, int(self.bias)
+        ln = d * (1 + b)
+        attn = d * 3 * d + 3 * d * b + d * d + d * b
+        mlp = d * f + f * b + f * d + d * b
+        per_layer = 2 * ln + attn + mlp
+        return self.vocab_size * d + self.n_positions * d + self.n_layer * per_layer + ln
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> "GPT2Config":
+        """One of the released GPT-2 sizes, by exact name."""
+        if name not in PRESETS:
+            raise ConfigError(f"unknown GPT-2 preset {name!r}; known presets: {', '.join(PRESETS)}")
+        return dataclasses.replace(PRESETS[name], **overrides)
+
+    def replace(self, **changes: Any) -> "GPT2Config":
+        """A copy with some fields changed (the config itself is never mutated)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "GPT2Config":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"unknown GPT2Config fields {unknown}; known fields: {sorted(known)}")
+        return cls(**d)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+PRESETS: dict[str, GPT2Config] = {
+    "gpt2": GPT2Config(n_layer=12, n_head=12, n_embd=768),
+    "gpt2-medium": GPT2Config(n_layer=24, n_head=16, n_embd=1024),
+    "gpt2-large": GPT2Config(n_layer=36, n_head=20, n_embd=1280),
+    "gpt2-xl": GPT2Config(n_layer=48, n_head=25, n_embd=1600),
+}

@@ -1,0 +1,50 @@
+"""Checkpoint conversion: any loadable GPT-2 checkpoint -> gpt2_jax (orbax) or a HuggingFace directory."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from gpt2_jax import checkpoint, hf
+from gpt2_jax.errors import GPT2JaxError
+from gpt2_jax.files import atomic_dir, check_writable_destination
+from gpt2_jax.loading import load, resolve_dtype
+from gpt2_jax.params import to_flat
+
+
+def convert(src: str | Path, dst: str | Path, *, dtype: Any = None, force: bool = False, to_hf: bool = False) -> Path:
+    """Read src (any format load() takes) and write dst atomically: orbax, or HF with to_hf=True."""
+    dst = Path(dst).absolute()
+    check_writable_destination(dst, force)  # fail before the (slow) load, not after
+    params, config = load(src, dtype=resolve_dtype(dtype))
+    if not to_hf:
+        return checkpoint.save(dst, params, config, force=force)
+    with atomic_dir(dst, force) as tmp:
+        hf.write_dir(to_flat(params, config), config, tmp)
+    return dst
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    parser = parser or argparse.ArgumentParser(prog="convert_pytorch.py", description=__doc__)
+    parser.add_argument("src", help="HF directory, .safetensors/.bin file, nanoGPT ckpt.pt, or gpt2_jax checkpoint")
+    parser.add_argument("dst", help="output directory (written atomically)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="cast the weights (default: keep)")
+    parser.add_argument("--force", action="store_true", help="replace dst if it exists")
+    parser.add_argument("--to-hf", action="store_true", help="write a HuggingFace directory instead of orbax")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        out = convert(args.src, args.dst, dtype=args.dtype, force=args.force, to_hf=args.to_hf)
+    except GPT2JaxError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {'HuggingFace' if args.to_hf else 'gpt2_jax'} checkpoint {out}", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(build_parser().parse_args(argv))

@@ -1,0 +1,90 @@
+"""Reading tensor files (safetensors without torch, .bin/.pt with torch) and atomic directory writes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from gpt2_jax.errors import CheckpointError
+
+
+def read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """All tensors of a .safetensors file as numpy arrays (bfloat16 via ml_dtypes); needs no torch."""
+    import safetensors.numpy
+
+    try:
+        return dict(safetensors.numpy.load_file(str(path)))
+    except Exception as e:  # safetensors raises its own error types for truncated/corrupt headers
+        raise CheckpointError(f"{path}: cannot read safetensors file ({type(e).__name__}: {e})") from None
+
+
+def torch_load(path: Path) -> Any:
+    """torch.load on CPU with weights_only=True (no arbitrary pickled code), errors made readable."""
+    try:
+        import torch
+    except ImportError:
+        raise CheckpointError(
+            f"{path}: reading PyTorch .bin/.pt files needs torch; install it with pip install 'gpt2-jax[torch]'"
+        ) from None
+    try:
+        return torch.load(str(path), map_location="cpu", weights_only=True)
+    except Exception as e:
+        msg = str(e).splitlines()[0] if str(e) else ""
+        raise CheckpointError(f"{path}: cannot read PyTorch file ({type(e).__name__}: {msg})") from None
+
+
+def torch_to_numpy(t: Any) -> np.ndarray:
+    """A torch tensor -> numpy, keeping bfloat16 as ml_dtypes.bfloat16."""
+    import torch
+
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def tensors_of(state: Any, path: Path) -> dict[str, np.ndarray]:
+    """A torch state dict -> {name: numpy array}; anything else is an error."""
+    import torch
+
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CheckpointError(f"{path}: expected a state dict of tensors, found {type(state).__name__}")
+    return {k: torch_to_numpy(v) for k, v in state.items()}
+
+
+def check_writable_destination(dst: Path, force: bool) -> None:
+    """Refuse an existing DST unless force, before any expensive work starts."""
+    if dst.exists() and not force:
+        raise CheckpointError(f"{dst} already exists; pass --force to overwrite it")
+
+
+@contextlib.contextmanager
+def atomic_dir(dst: Path, force: bool = False) -> Iterator[Path]:
+    """Yield a temporary sibling directory; on success it replaces dst in one rename, on any
+    failure it is deleted, so dst is either the old content or the complete new one."""
+    dst = Path(dst).absolute()
+    check_writable_destination(dst, force)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tag = uuid.uuid4().hex[:8]
+    tmp = dst.parent / f".{dst.name}.tmp-{tag}"
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if dst.exists():
+        old = dst.parent / f".{dst.name}.old-{tag}"
+        os.rename(dst, old)
+        os.rename(tmp, dst)
+        shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
+    else:
+        os.rename(tmp, dst)

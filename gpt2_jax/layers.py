@@ -1,0 +1,86 @@
+"""GPT-2's building blocks as small pure functions (shape legend in gpt2_jax.config).
+
+The residual stream is float32. Each matmul runs in the weights' dtype (float32 or
+bfloat16) and accumulates in float32; LayerNorm and softmax always compute in float32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from gpt2_jax.config import GPT2Config
+
+F32 = jnp.float32
+NEG_INF = jnp.finfo(F32).min  # finite, so a fully masked row gives a uniform softmax, never NaN
+
+
+def layer_norm(p: dict, x: jax.Array, eps: float) -> jax.Array:
+    """[..., D] -> [..., D]: normalise over D (biased variance), then scale and shift."""
+    x = x.astype(F32)
+    mean = x.mean(-1, keepdims=True)
+    var = jnp.square(x - mean).mean(-1, keepdims=True)
+    y = (x - mean) * jax.lax.rsqrt(var + eps) * p["weight"].astype(F32)
+    return y + p["bias"].astype(F32) if "bias" in p else y
+
+
+def linear(p: dict, x: jax.Array) -> jax.Array:
+    """[..., in] @ W[in, out] (+ b) -> [..., out] float32."""
+    w = p["weight"]
+    y = jnp.einsum("...i,io->...o", x.astype(w.dtype), w, preferred_element_type=F32)
+    return y + p["bias"].astype(F32) if "bias" in p else y
+
+
+def gelu(x: jax.Array, approximate: bool) -> jax.Array:
+    """GPT-2's tanh GELU when approximate, else the exact erf form (nanoGPT)."""
+    return jax.nn.gelu(x, approximate=approximate)
+
+
+def mlp(p: dict, x: jax.Array, config: GPT2Config) -> jax.Array:
+    """[B, T, D] -> [B, T, D]: c_fc (D->F), GELU, c_proj (F->D); each position on its own."""
+    return linear(p["c_proj"], gelu(linear(p["c_fc"], x), config.gelu_approximate))
+
+
+def attn_scale(config: GPT2Config, layer: jax.Array | int) -> jax.Array:
+    """The factor on layer `layer`'s attention scores: 1/sqrt(K), optionally also 1/(layer+1)."""
+    scale = jnp.asarray(config.head_dim**-0.5 if config.scale_attn_weights else 1.0, F32)
+    if config.scale_attn_by_inverse_layer_idx:
+        scale = scale / (jnp.asarray(layer, F32) + 1.0)
+    return scale
+
+
+def qkv(p: dict, x: jax.Array, config: GPT2Config) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """[B, T, D] -> q, k, v each [B, T, H, K], from the fused c_attn projection."""
+    B, T, _ = x.shape
+    fused = linear(p["c_attn"], x)  # [B, T, 3D]
+    q, k, v = jnp.split(fused, 3, axis=-1)
+    heads = lambda t: t.reshape(B, T, config.n_head, config.head_dim)  # noqa: E731
+    return heads(q), heads(k), heads(v)
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: jax.Array) -> jax.Array:
+    """q [B, T, H, K], k/v [B, S, H, K], mask bool [B, T, S] (True = may attend) -> [B, T, H, K]."""
+    scores = jnp.einsum("BTHK,BSHK->BHTS", q, k, preferred_element_type=F32) * scale
+    scores = jnp.where(mask[:, None, :, :], scores, NEG_INF)
+    weights = jax.nn.softmax(scores, axis=-1)
+    return jnp.einsum("BHTS,BSHK->BTHK", weights.astype(v.dtype), v, preferred_element_type=F32)
+
+
+def causal_mask(T: int) -> jax.Array:
+    """[1, T, T] bool: query t sees keys 0..t."""
+    return jnp.tril(jnp.ones((T, T), bool))[None]
+
+
+def attention(p: dict, x: jax.Array, config: GPT2Config, scale: jax.Array) -> jax.Array:
+    """[B, T, D] -> [B, T, D]: causal multi-head self-attention, heads concatenated, then c_proj."""
+    B, T, D = x.shape
+    q, k, v = qkv(p, x, config)
+    out = attend(q, k, v, causal_mask(T), scale)
+    return linear(p["c_proj"], out.reshape(B, T, D))
+
+
+def block(p: dict, x: jax.Array, config: GPT2Config, scale: jax.Array) -> jax.Array:
+    """[B, T, D] -> [B, T, D]: pre-LN transformer block with residual connections."""
+    eps = config.layer_norm_epsilon
+    x = x + attention(p["attn"], layer_norm(p["ln_1"], x, eps), config, scale)
+    return x + mlp(p["mlp"], layer_norm(p["ln_2"], x, eps), config)

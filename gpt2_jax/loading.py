@@ -1,0 +1,70 @@
+"""load(path): any supported GPT-2 checkpoint -> (params, config), the format detected from the path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from gpt2_jax import checkpoint, files, hf, nanogpt
+from gpt2_jax.config import GPT2Config
+from gpt2_jax.errors import CheckpointError, ConfigError
+from gpt2_jax.params import Params, from_flat
+
+FORMATS = (
+    "a gpt2_jax checkpoint directory (gpt2_jax.json + params/), "
+    "a HuggingFace directory (config.json + model.safetensors / pytorch_model.bin / *.index.json), "
+    "a .safetensors or .bin state dict, or a nanoGPT ckpt.pt (or its out_dir)"
+)
+_TORCH_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+
+
+def resolve_dtype(dtype: Any) -> Any:
+    """None, 'float32' or 'bfloat16' (or the jnp dtypes) -> a jnp dtype or None."""
+    if dtype is None:
+        return None
+    name = jnp.dtype(dtype).name if not isinstance(dtype, str) else dtype
+    if name not in ("float32", "bfloat16"):
+        raise ConfigError(f"dtype {dtype!r} is not supported; use float32 or bfloat16")
+    return jnp.dtype(name)
+
+
+def _read_file(path: Path, config: GPT2Config | None) -> tuple[dict[str, np.ndarray], GPT2Config]:
+    """A single weight file; the config comes from the argument, a config.json beside it, or the shapes."""
+    if path.suffix == ".safetensors" or path.name.endswith(".index.json"):
+        raw = hf.read_weights(path)
+    elif path.suffix in _TORCH_SUFFIXES:
+        obj = files.torch_load(path)
+        if nanogpt.is_nanogpt(obj):
+            flat, nano_config = nanogpt.read_checkpoint(obj, path)
+            return flat, config or nano_config
+        raw = files.tensors_of(obj, path)
+    else:
+        raise CheckpointError(f"{path}: unknown checkpoint format; expected {FORMATS}")
+    flat = hf.normalize_keys(raw, str(path))
+    if config is None and (path.parent / "config.json").is_file():
+        config = hf.read_config(path.parent / "config.json")
+    return flat, config or hf.infer_config(flat, str(path))
+
+
+def load(path: str | Path, *, dtype: Any = None, config: GPT2Config | None = None) -> tuple[Params, GPT2Config]:
+    """Any supported checkpoint -> (params, config). dtype: keep the stored one (None), float32 or bfloat16."""
+    path = Path(path)
+    dtype = resolve_dtype(dtype)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file or directory")
+    if checkpoint.is_checkpoint(path):
+        return checkpoint.restore(path, dtype)
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            flat, found = hf.read_dir(path)
+        elif (path / "ckpt.pt").is_file():
+            flat, found = nanogpt.read(path)
+        else:
+            raise CheckpointError(f"{path}: unknown checkpoint format; expected {FORMATS}")
+    else:
+        flat, found = _read_file(path, config)
+    config = config or found
+    return from_flat(flat, config, str(path), dtype), config

@@ -1,0 +1,66 @@
+"""nanoGPT checkpoints (ckpt.pt): {"model": state_dict, "model_args": {...}, ...}.
+
+Differences from HuggingFace that matter here:
+- nn.Linear stores weights [out, in]; we store [in, out], so they are transposed;
+- torch.compile'd models prefix every key with "_orig_mod.";
+- the vocab is padded from 50257 to 50304 (a multiple of 64) for speed: the padding rows are
+  kept (so shapes match) and marked invalid through GPT2Config.n_valid_tokens;
+- GELU is the exact erf form, and `bias=False` models have no Linear or LayerNorm biases.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from gpt2_jax import files
+from gpt2_jax.config import GPT2Config
+from gpt2_jax.errors import CheckpointError
+from gpt2_jax.hf import normalize_keys
+
+GPT2_VOCAB = 50257
+_LINEARS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+_ARGS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size")
+
+
+def is_nanogpt(obj: object) -> bool:
+    """Does a torch.load result look like a nanoGPT checkpoint?"""
+    return isinstance(obj, dict) and "model_args" in obj and "model" in obj
+
+
+def config_from_args(args: dict, source: str) -> GPT2Config:
+    """nanoGPT's model_args -> GPT2Config (exact GELU, the padding rows marked invalid)."""
+    missing = [k for k in _ARGS if k not in args]
+    if missing:
+        raise CheckpointError(f"{source}: model_args lacks {missing}")
+    vocab = args["vocab_size"]
+    dropout = float(args.get("dropout", 0.0))
+    return GPT2Config(
+        vocab_size=vocab, n_positions=args["block_size"], n_embd=args["n_embd"], n_layer=args["n_layer"],
+        n_head=args["n_head"], bias=bool(args["bias"]), gelu_approximate=False,
+        n_valid_tokens=GPT2_VOCAB if vocab == 50304 else None,
+        embd_pdrop=dropout, attn_pdrop=dropout, resid_pdrop=dropout,
+    )  # fmt: skip
+
+
+def read_checkpoint(ckpt: dict, path: Path) -> tuple[dict[str, np.ndarray], GPT2Config]:
+    """A loaded ckpt.pt dict -> (flat tensors in our [in, out] layout, config)."""
+    config = config_from_args(ckpt["model_args"], str(path))
+    state = {k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()}
+    flat = normalize_keys(files.tensors_of(state, path), str(path))
+    for name, value in flat.items():
+        if name.endswith(_LINEARS):
+            if value.ndim != 2:
+                raise CheckpointError(f"{path}: tensor {name} has shape {value.shape}, expected a 2-D matrix")
+            flat[name] = np.ascontiguousarray(value.T)
+    return flat, config
+
+
+def read(path: Path) -> tuple[dict[str, np.ndarray], GPT2Config]:
+    """nanoGPT ckpt.pt (or its out_dir) -> (flat tensors, config)."""
+    path = path / "ckpt.pt" if path.is_dir() else path
+    ckpt = files.torch_load(path)
+    if not is_nanogpt(ckpt):
+        raise CheckpointError(f"{path}: not a nanoGPT checkpoint (expected the keys 'model' and 'model_args')")
+    return read_checkpoint(ckpt, path)

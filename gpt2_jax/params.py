@@ -1,0 +1,153 @@
+"""The params pytree: names follow the checkpoint, block weights are stacked on a leading L axis.
+
+    params = {
+      "wte": [V, D], "wpe": [P, D],
+      "h": {                                   # every leaf has a leading L axis
+        "ln_1": {"weight": [L, D], "bias": [L, D]},
+        "attn": {"c_attn": {"weight": [L, D, 3D], "bias": [L, 3D]},
+                 "c_proj": {"weight": [L, D, D],  "bias": [L, D]}},
+        "ln_2": {"weight": [L, D], "bias": [L, D]},
+        "mlp":  {"c_fc":   {"weight": [L, D, F],  "bias": [L, F]},
+                 "c_proj": {"weight": [L, F, D],  "bias": [L, D]}},
+      },
+      "ln_f": {"weight": [D], "bias": [D]},
+    }
+
+Linear weights are stored [in, out], as HuggingFace's Conv1D stores them, so y = x @ W + b.
+Without biases (nanoGPT bias=False) the "bias" leaves are absent.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gpt2_jax.config import GPT2Config
+from gpt2_jax.errors import CheckpointError
+
+Params = dict[str, Any]
+
+# Flat checkpoint name of the embeddings -> their key in the params pytree.
+_EMBEDDINGS = {"wte.weight": "wte", "wpe.weight": "wpe"}
+
+
+def layer_shapes(config: GPT2Config) -> dict[str, tuple[int, ...]]:
+    """Shapes of one block's tensors, keyed by their name inside h.{i}."""
+    d, f = config.n_embd, config.mlp_dim
+    shapes = {
+        "ln_1.weight": (d,), "ln_1.bias": (d,),
+        "attn.c_attn.weight": (d, 3 * d), "attn.c_attn.bias": (3 * d,),
+        "attn.c_proj.weight": (d, d), "attn.c_proj.bias": (d,),
+        "ln_2.weight": (d,), "ln_2.bias": (d,),
+        "mlp.c_fc.weight": (d, f), "mlp.c_fc.bias": (f,),
+        "mlp.c_proj.weight": (f, d), "mlp.c_proj.bias": (d,),
+    }  # fmt: skip
+    return {k: s for k, s in shapes.items() if config.bias or not k.endswith(".bias")}
+
+
+def flat_shapes(config: GPT2Config) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a checkpoint by its flat name (h.{i}.attn.c_attn.weight, ...) and shape."""
+    d = config.n_embd
+    shapes = {"wte.weight": (config.vocab_size, d), "wpe.weight": (config.n_positions, d)}
+    for i in range(config.n_layer):
+        shapes.update({f"h.{i}.{k}": s for k, s in layer_shapes(config).items()})
+    shapes["ln_f.weight"] = (d,)
+    if config.bias:
+        shapes["ln_f.bias"] = (d,)
+    return shapes
+
+
+def _set(tree: dict, dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    for p in parents:
+        tree = tree.setdefault(p, {})
+    tree[leaf] = value
+
+
+def _get(tree: Mapping, dotted: str) -> Any:
+    for p in dotted.split("."):
+        tree = tree[p]
+    return tree
+
+
+def _listing(keys: list[str], limit: int = 8) -> str:
+    shown = ", ".join(keys[:limit])
+    return shown + (f", ... ({len(keys)} in all)" if len(keys) > limit else "")
+
+
+def check_flat(flat: Mapping[str, Any], config: GPT2Config, source: str) -> None:
+    """Raise CheckpointError naming every missing or unexpected key, or the first wrong shape."""
+    expected = flat_shapes(config)
+    missing = sorted(set(expected) - set(flat))
+    unexpected = sorted(set(flat) - set(expected))
+    if missing:
+        raise CheckpointError(f"{source}: missing tensor(s) {_listing(missing)} for {config.n_layer}-layer config")
+    if unexpected:
+        raise CheckpointError(f"{source}: unexpected tensor(s) {_listing(unexpected)}")
+    for key, shape in expected.items():
+        got = tuple(flat[key].shape)
+        if got != shape:
+            raise CheckpointError(f"{source}: tensor {key} has shape {got}, expected {shape}")
+
+
+def from_flat(flat: Mapping[str, np.ndarray], config: GPT2Config, source: str, dtype: Any = None) -> Params:
+    """Checked flat {name: array} -> params pytree with the block tensors stacked on L."""
+    check_flat(flat, config, source)
+    cast = (lambda a: np.asarray(a)) if dtype is None else (lambda a: np.asarray(a).astype(dtype))
+    params: Params = {"h": {}}
+    for name, key in _EMBEDDINGS.items():
+        params[key] = cast(flat[name])
+    for name in layer_shapes(config):
+        _set(params["h"], name, cast(np.stack([flat[f"h.{i}.{name}"] for i in range(config.n_layer)])))
+    for name in ("weight", "bias") if config.bias else ("weight",):
+        _set(params, f"ln_f.{name}", cast(flat[f"ln_f.{name}"]))
+    return jax.tree.map(jnp.asarray, params)
+
+
+def to_flat(params: Params, config: GPT2Config) -> dict[str, np.ndarray]:
+    """Params pytree -> flat {h.{i}.name: array} with the layer axis unstacked (numpy, host)."""
+    flat = {name: np.asarray(params[key]) for name, key in _EMBEDDINGS.items()}
+    for name in layer_shapes(config):
+        stacked = np.asarray(_get(params["h"], name))
+        flat.update({f"h.{i}.{name}": stacked[i] for i in range(config.n_layer)})
+    for name in ("weight", "bias") if config.bias else ("weight",):
+        flat[f"ln_f.{name}"] = np.asarray(params["ln_f"][name])
+    return flat
+
+
+def init_params(key: jax.Array, config: GPT2Config, dtype: Any = jnp.float32) -> Params:
+    """GPT-2's initialisation: N(0, 0.02) weights, zero biases, unit LayerNorm gains,
+    and residual projections (attn.c_proj, mlp.c_proj) scaled by 1/sqrt(2 L)."""
+    shapes = flat_shapes(config.replace(n_layer=1))
+    keys = dict(zip(shapes, jax.random.split(key, len(shapes))))
+    resid_std = 0.02 / math.sqrt(2 * config.n_layer)
+    params: Params = {"h": {}}
+    for name, shape in shapes.items():
+        layer = name.startswith("h.0.")
+        full = (config.n_layer, *shape) if layer else shape
+        if name.startswith(("ln_", "h.0.ln_")):
+            value = jnp.ones(full, dtype) if name.endswith("weight") else jnp.zeros(full, dtype)
+        elif name.endswith("bias"):
+            value = jnp.zeros(full, dtype)
+        else:
+            std = resid_std if name.endswith("c_proj.weight") else 0.02
+            value = (std * jax.random.normal(keys[name], full, jnp.float32)).astype(dtype)
+        if layer:
+            _set(params["h"], name[len("h.0."):], value)
+        else:
+            _set(params, _EMBEDDINGS.get(name, name), value)
+    return params
+
+
+def cast_params(params: Params, dtype: Any) -> Params:
+    """Every leaf cast to dtype (float32 or bfloat16)."""
+    return jax.tree.map(lambda a: jnp.asarray(a, dtype), params)
+
+
+def param_bytes(params: Params) -> int:
+    """Total bytes of all leaves."""
+    return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(params))

@@ -1,0 +1,86 @@
+"""Reference models for the tests: randomly initialised transformers GPT-2s and checkpoints of them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+
+torch.set_num_threads(2)
+
+
+def make_hf_model(
+    n_layer: int = 2, n_head: int = 3, n_embd: int = 48, vocab_size: int = 101, n_positions: int = 64,
+    seed: int = 0, zero_biases: bool = False, **config_kwargs,
+) -> transformers.GPT2LMHeadModel:
+    """A GPT2LMHeadModel in eval mode whose every parameter, LayerNorms included, is random."""
+    config = transformers.GPT2Config(
+        n_layer=n_layer, n_head=n_head, n_embd=n_embd, vocab_size=vocab_size, n_positions=n_positions,
+        bos_token_id=vocab_size - 1, eos_token_id=vocab_size - 1, **config_kwargs,
+    )
+    torch.manual_seed(seed)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.startswith("lm_head"):
+                continue  # tied to wte
+            if "ln_" in name and name.endswith("weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias") and zero_biases:
+                p.zero_()
+            else:
+                p.copy_(0.1 * torch.randn_like(p))
+    assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
+    return model
+
+
+def hf_logits(model: transformers.GPT2LMHeadModel, tokens) -> np.ndarray:
+    """float32 logits [B, T, V] of a transformers model."""
+    with torch.no_grad():
+        return model(torch.as_tensor(np.asarray(tokens), dtype=torch.long)).logits.float().numpy()
+
+
+def rel_err(a, b) -> float:
+    """max |a - b| / max |b|."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def random_tokens(vocab_size: int, shape=(2, 16), seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, vocab_size, size=shape, dtype=np.int32)
+
+
+_LINEAR = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+def save_nanogpt(model: transformers.GPT2LMHeadModel, path: Path, *, bias: bool = True, compiled: bool = True) -> Path:
+    """Write the model's weights as nanoGPT's train.py does: ckpt.pt with model_args, nn.Linear
+    weights [out, in], the "_orig_mod." prefix of a torch.compile'd model, mask buffers, tied lm_head."""
+    c = model.config
+    prefix = "_orig_mod." if compiled else ""
+    state = {}
+    for name, t in model.state_dict().items():
+        if name.endswith(".attn.bias") or name.endswith(".attn.masked_bias"):
+            continue
+        if not bias and name.endswith(".bias"):
+            continue
+        t = t.clone()
+        if name.endswith(_LINEAR):
+            t = t.T.contiguous()
+        state[prefix + name] = t
+    state[prefix + "lm_head.weight"] = state[prefix + "transformer.wte.weight"]
+    for i in range(c.n_layer):  # nanoGPT's non-flash causal mask buffer
+        state[f"{prefix}transformer.h.{i}.attn.bias"] = torch.tril(torch.ones(c.n_positions, c.n_positions)).view(
+            1, 1, c.n_positions, c.n_positions
+        )
+    model_args = dict(
+        n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd, block_size=c.n_positions,
+        bias=bias, vocab_size=c.vocab_size, dropout=0.0,
+    )  # fmt: skip
+    ckpt = {"model": state, "optimizer": {}, "model_args": model_args, "iter_num": 0, "best_val_loss": 1.0,
+            "config": {"dataset": "shakespeare"}}  # fmt: skip
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(ckpt, path)
+    return path
