@@ -84,3 +84,47 @@ def save_nanogpt(model: transformers.GPT2LMHeadModel, path: Path, *, bias: bool 
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(ckpt, path)
     return path
+
+
+def hf_state(model: transformers.GPT2LMHeadModel, *, prefix: bool = True, lm_head: bool = False,
+             buffers: bool = False) -> dict[str, torch.Tensor]:
+    """The model's tensors as a .bin state dict: with or without "transformer.", the tied lm_head,
+    and the legacy attn.bias / attn.masked_bias buffers that old transformers wrote."""
+    c = model.config
+    state = {}
+    for name, t in model.transformer.state_dict().items():
+        state[("transformer." if prefix else "") + name] = t.clone()
+    if lm_head:
+        state["lm_head.weight"] = state[("transformer." if prefix else "") + "wte.weight"]
+    if buffers:
+        for i in range(c.n_layer):
+            p = ("transformer." if prefix else "") + f"h.{i}.attn."
+            state[p + "bias"] = torch.tril(torch.ones(c.n_positions, c.n_positions, dtype=torch.bool))[None, None]
+            state[p + "masked_bias"] = torch.tensor(-1e4)
+    return state
+
+
+def save_bin_dir(model: transformers.GPT2LMHeadModel, path: Path, **state_kwargs) -> Path:
+    """A HuggingFace directory with config.json + pytorch_model.bin (the legacy layout)."""
+    path.mkdir(parents=True, exist_ok=True)
+    model.config.to_json_file(path / "config.json")
+    torch.save(hf_state(model, **state_kwargs), path / "pytorch_model.bin")
+    return path
+
+
+def save_sharded_bin_dir(model: transformers.GPT2LMHeadModel, path: Path, n_shards: int = 3) -> Path:
+    """A HuggingFace directory with pytorch_model.bin.index.json and several .bin shards."""
+    import json
+
+    path.mkdir(parents=True, exist_ok=True)
+    model.config.to_json_file(path / "config.json")
+    state = hf_state(model, buffers=True)
+    names = list(state)
+    weight_map = {}
+    for s in range(n_shards):
+        shard = f"pytorch_model-{s + 1:05d}-of-{n_shards:05d}.bin"
+        part = {n: state[n] for n in names[s::n_shards]}
+        torch.save(part, path / shard)
+        weight_map.update({n: shard for n in part})
+    (path / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return path

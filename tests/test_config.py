@@ -1,0 +1,80 @@
+import jax
+import pytest
+
+from gpt2_jax import PRESETS, ConfigError, GPT2Config, init_params
+from gpt2_jax.params import flat_shapes
+
+# Published parameter counts of GPT-2 with the unembedding tied to wte.
+PUBLISHED = {"gpt2": 124_439_808, "gpt2-medium": 354_823_168, "gpt2-large": 774_030_080, "gpt2-xl": 1_557_611_200}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_preset_param_counts(name):
+    assert GPT2Config.preset(name).n_params == PUBLISHED[name]
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_param_count_matches_tensor_shapes(name):
+    config = GPT2Config.preset(name)
+    total = 0
+    for shape in flat_shapes(config).values():
+        n = 1
+        for s in shape:
+            n *= s
+        total += n
+    assert total == config.n_params
+
+
+def test_param_count_matches_transformers():
+    import transformers
+
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=99))
+    ours = GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=99)
+    assert ours.n_params == sum(p.numel() for p in hf.parameters())  # tied lm_head counted once
+
+
+def test_init_params_count_and_no_bias_variant():
+    for config in (GPT2Config(n_layer=3, n_head=2, n_embd=32, vocab_size=50, n_positions=16),
+                   GPT2Config(n_layer=3, n_head=2, n_embd=32, vocab_size=50, n_positions=16, bias=False)):
+        params = init_params(jax.random.key(0), config)
+        assert sum(a.size for a in jax.tree.leaves(params)) == config.n_params
+        assert params["h"]["attn"]["c_attn"]["weight"].shape == (3, 32, 96)
+
+
+def test_unknown_preset_lists_known_names():
+    with pytest.raises(ConfigError, match="gpt2-small") as e:
+        GPT2Config.preset("gpt2-small")
+    for name in PRESETS:
+        assert name in str(e.value)
+
+
+def test_preset_lookup_is_exact():
+    with pytest.raises(ConfigError):
+        GPT2Config.preset("GPT2")
+    with pytest.raises(ConfigError):
+        GPT2Config.preset("gpt2-x")
+
+
+def test_config_is_frozen_and_hashable():
+    a = GPT2Config.preset("gpt2")
+    with pytest.raises(AttributeError):
+        a.n_layer = 3
+    assert hash(a) == hash(GPT2Config.preset("gpt2"))
+    assert a != a.replace(n_layer=3)
+    assert a.replace(n_layer=3).n_layer == 3 and a.n_layer == 12
+    assert GPT2Config.from_dict(a.to_dict()) == a
+
+
+def test_preset_sizes():
+    got = {n: (c.n_layer, c.n_head, c.n_embd) for n, c in PRESETS.items()}
+    assert got == {"gpt2": (12, 12, 768), "gpt2-medium": (24, 16, 1024), "gpt2-large": (36, 20, 1280),
+                   "gpt2-xl": (48, 25, 1600)}
+
+
+def test_invalid_config_values():
+    with pytest.raises(ConfigError, match="n_embd=100 is not divisible by n_head=3"):
+        GPT2Config(n_embd=100, n_head=3)
+    with pytest.raises(ConfigError, match="n_layer"):
+        GPT2Config(n_layer=0)
+    with pytest.raises(ConfigError, match="unknown GPT2Config fields"):
+        GPT2Config.from_dict({"n_layers": 3})
