@@ -123,13 +123,19 @@ def read_config(path: Path) -> GPT2Config:
     return config_from_hf(d, str(path))
 
 
+def weight_file(path: Path) -> Path:
+    """The weight file (or shard index) of a HuggingFace directory."""
+    for name in WEIGHT_FILES:
+        if (path / name).exists():
+            return path / name
+    raise CheckpointError(f"{path}: has config.json but none of the weight files {', '.join(WEIGHT_FILES)}")
+
+
 def read_dir(path: Path) -> tuple[dict[str, np.ndarray], GPT2Config]:
     """A HuggingFace GPT-2 directory -> (flat tensors, config)."""
     config = read_config(path / "config.json")
-    for name in WEIGHT_FILES:
-        if (path / name).exists():
-            return normalize_keys(read_weights(path / name), str(path / name)), config
-    raise CheckpointError(f"{path}: has config.json but none of the weight files {', '.join(WEIGHT_FILES)}")
+    weights = weight_file(path)
+    return normalize_keys(read_weights(weights), str(weights)), config
 
 
 def infer_config(flat: dict[str, np.ndarray], source: str) -> GPT2Config:

@@ -57,14 +57,16 @@ def load(path: str | Path, *, dtype: Any = None, config: GPT2Config | None = Non
         raise CheckpointError(f"{path}: no such file or directory")
     if checkpoint.is_checkpoint(path):
         return checkpoint.restore(path, dtype)
-    if path.is_dir():
-        if (path / "config.json").is_file():
-            flat, found = hf.read_dir(path)
-        elif (path / "ckpt.pt").is_file():
-            flat, found = nanogpt.read(path)
-        else:
-            raise CheckpointError(f"{path}: unknown checkpoint format; expected {FORMATS}")
+    if path.is_dir() and (path / "config.json").is_file():
+        source = hf.weight_file(path)
+        flat, found = hf.read_dir(path)
+    elif path.is_dir() and (path / "ckpt.pt").is_file():
+        source = path / "ckpt.pt"
+        flat, found = nanogpt.read(source)
+    elif path.is_dir():
+        raise CheckpointError(f"{path}: unknown checkpoint format; expected {FORMATS}")
     else:
+        source = path
         flat, found = _read_file(path, config)
     config = config or found
-    return from_flat(flat, config, str(path), dtype), config
+    return from_flat(flat, config, str(source), dtype), config

@@ -58,8 +58,7 @@ def read_checkpoint(ckpt: dict, path: Path) -> tuple[dict[str, np.ndarray], GPT2
 
 
 def read(path: Path) -> tuple[dict[str, np.ndarray], GPT2Config]:
-    """nanoGPT ckpt.pt (or its out_dir) -> (flat tensors, config)."""
-    path = path / "ckpt.pt" if path.is_dir() else path
+    """nanoGPT ckpt.pt -> (flat tensors, config)."""
     ckpt = files.torch_load(path)
     if not is_nanogpt(ckpt):
         raise CheckpointError(f"{path}: not a nanoGPT checkpoint (expected the keys 'model' and 'model_args')")

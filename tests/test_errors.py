@@ -1,0 +1,203 @@
+"""Bad input: each gives a clear error naming the problem, and no partial output."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+
+import gpt2_jax
+from gpt2_jax import CheckpointError, ConfigError, InputError
+from gpt2_jax.convert import main as convert_main
+from tests.reference import hf_state, make_hf_model, save_bin_dir
+
+REPO = Path(__file__).resolve().parents[1]
+SHAPE = dict(n_layer=2, n_head=2, n_embd=32, vocab_size=50, n_positions=16)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_hf_model(seed=1, **SHAPE)
+
+
+@pytest.fixture()
+def hf_dir(model, tmp_path):
+    model.save_pretrained(tmp_path / "hf")
+    return tmp_path / "hf"
+
+
+def write_state(hf_dir: Path, state: dict) -> Path:
+    (hf_dir / "model.safetensors").unlink()
+    safetensors.torch.save_file(state, hf_dir / "model.safetensors")
+    return hf_dir
+
+
+def test_missing_key(model, hf_dir):
+    state = hf_state(model)
+    del state["transformer.h.1.mlp.c_fc.bias"]
+    with pytest.raises(CheckpointError, match=r"model.safetensors: missing tensor\(s\) h.1.mlp.c_fc.bias"):
+        gpt2_jax.load(write_state(hf_dir, state))
+
+
+def test_unexpected_key(model, hf_dir):
+    state = hf_state(model)
+    state["transformer.h.0.attn.q_proj.weight"] = torch.zeros(3)
+    with pytest.raises(CheckpointError, match=r"unexpected tensor\(s\) h.0.attn.q_proj.weight"):
+        gpt2_jax.load(write_state(hf_dir, state))
+
+
+def test_wrong_shape_names_key_and_both_shapes(model, hf_dir):
+    state = hf_state(model)
+    state["transformer.h.1.attn.c_attn.weight"] = torch.zeros(96, 32)  # transposed
+    with pytest.raises(CheckpointError, match=r"h.1.attn.c_attn.weight has shape \(96, 32\), expected \(32, 96\)"):
+        gpt2_jax.load(write_state(hf_dir, state))
+
+
+def test_untied_lm_head(model, hf_dir):
+    state = hf_state(model, lm_head=True)
+    state["lm_head.weight"] = state["lm_head.weight"].clone() + 1
+    with pytest.raises(CheckpointError, match="lm_head.weight is not tied to wte.weight"):
+        gpt2_jax.load(write_state(hf_dir, state))
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "bin"])
+def test_truncated_file(model, tmp_path, kind):
+    if kind == "safetensors":
+        path = tmp_path / "model.safetensors"
+        safetensors.torch.save_file(hf_state(model), path)
+    else:
+        path = save_bin_dir(model, tmp_path / "hf") / "pytorch_model.bin"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=f"{path.name}: cannot read"):
+        gpt2_jax.load(path)
+
+
+def test_unknown_format(tmp_path):
+    (tmp_path / "weights.txt").write_text("hello")
+    with pytest.raises(CheckpointError, match="weights.txt: unknown checkpoint format"):
+        gpt2_jax.load(tmp_path / "weights.txt")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="empty: unknown checkpoint format"):
+        gpt2_jax.load(tmp_path / "empty")
+    with pytest.raises(CheckpointError, match="nope: no such file or directory"):
+        gpt2_jax.load(tmp_path / "nope")
+
+
+def test_torch_file_that_is_not_a_state_dict(tmp_path):
+    torch.save([1, 2, 3], tmp_path / "x.pt")
+    with pytest.raises(CheckpointError, match="expected a state dict of tensors"):
+        gpt2_jax.load(tmp_path / "x.pt")
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("activation_function", "relu", "activation_function 'relu' is not supported"),
+    ("add_cross_attention", True, "add_cross_attention"),
+    ("tie_word_embeddings", False, "tie_word_embeddings=false"),
+    ("model_type", "gpt_neo", "model_type 'gpt_neo'"),
+])  # fmt: skip
+def test_unsupported_config_field(hf_dir, field, value, message):
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    cfg[field] = value
+    (hf_dir / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=f"config.json: {message}"):
+        gpt2_jax.load(hf_dir)
+
+
+def test_weight_files_missing(hf_dir):
+    (hf_dir / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="has config.json but none of the weight files"):
+        gpt2_jax.load(hf_dir)
+
+
+def test_existing_destination_needs_force(hf_dir, tmp_path, capsys):
+    dst = tmp_path / "out"
+    dst.mkdir()
+    (dst / "keep.txt").write_text("precious")
+    assert convert_main([str(hf_dir), str(dst)]) == 2
+    assert "already exists; pass --force" in capsys.readouterr().err
+    assert (dst / "keep.txt").read_text() == "precious"
+    assert convert_main([str(hf_dir), str(dst), "--force"]) == 0
+    assert not (dst / "keep.txt").exists()
+    gpt2_jax.load(dst)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "out"]  # no temporaries left behind
+
+
+def test_failed_conversion_leaves_nothing(model, hf_dir, tmp_path, capsys):
+    state = hf_state(model)
+    del state["transformer.ln_f.weight"]
+    write_state(hf_dir, state)
+    for extra in ([], ["--to-hf"]):
+        assert convert_main([str(hf_dir), str(tmp_path / "out"), *extra]) == 2
+        assert "missing tensor(s) ln_f.weight" in capsys.readouterr().err
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+def test_failure_while_writing_keeps_old_checkpoint(hf_dir, tmp_path, monkeypatch):
+    dst = tmp_path / "out"
+    assert convert_main([str(hf_dir), str(dst)]) == 0
+    before = sorted(p.relative_to(dst) for p in dst.rglob("*"))
+
+    def boom(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("gpt2_jax.hf.write_dir", boom)
+    with pytest.raises(OSError, match="disk full"):
+        convert_main([str(hf_dir), str(dst), "--force", "--to-hf"])
+    assert sorted(p.relative_to(dst) for p in dst.rglob("*")) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "out"]
+
+
+def test_cli_error_is_one_line(tmp_path):
+    out = subprocess.run([sys.executable, str(REPO / "convert" / "convert_pytorch.py"), str(tmp_path / "nope"),
+                          str(tmp_path / "dst")], capture_output=True, text=True)  # fmt: skip
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [f"error: {tmp_path / 'nope'}: no such file or directory"]
+
+
+@pytest.fixture(scope="module")
+def loaded(model, tmp_path_factory):
+    path = tmp_path_factory.mktemp("m") / "hf"
+    model.save_pretrained(path)
+    return gpt2_jax.load(path)
+
+
+@pytest.mark.parametrize("bad", [50, -1, 10**6])
+def test_token_outside_vocab(loaded, bad):
+    params, config = loaded
+    tokens = np.zeros((2, 5), np.int32)
+    tokens[1, 3] = bad
+    with pytest.raises(InputError, match=rf"token id {bad} at \[1, 3\] is outside the vocab \[0, 50\)"):
+        gpt2_jax.forward(params, tokens, config)
+
+
+def test_sequence_longer_than_context(loaded):
+    params, config = loaded
+    with pytest.raises(InputError, match="sequence of 17 tokens is longer than the context n_positions=16"):
+        gpt2_jax.forward(params, np.zeros((1, 17), np.int32), config)
+
+
+def test_tokens_wrong_rank_or_dtype(loaded):
+    params, config = loaded
+    with pytest.raises(InputError, match=r"integer array \[B, T\]"):
+        gpt2_jax.forward(params, np.zeros(5, np.int32), config)
+    with pytest.raises(InputError, match=r"integer array \[B, T\]"):
+        gpt2_jax.forward(params, np.zeros((1, 5), np.float32), config)
+
+
+def test_bad_id_inside_jit_is_nan_not_plausible(loaded):
+    import jax
+
+    params, config = loaded
+    # Inside a jit the ids are not known, so nothing can raise: the bad row becomes NaN instead.
+    logits = jax.jit(lambda t: gpt2_jax.forward(params, t, config))(np.array([[1, 2, 99], [1, 2, 3]], np.int32))
+    assert np.isnan(np.asarray(logits[0])).all() and np.isfinite(np.asarray(logits[1])).all()
+
+
+def test_bad_dtype_argument(hf_dir):
+    with pytest.raises(ConfigError, match="dtype 'float16' is not supported"):
+        gpt2_jax.load(hf_dir, dtype="float16")
