@@ -6,6 +6,8 @@ bfloat16) and accumulates in float32; LayerNorm and softmax always compute in fl
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 
@@ -58,12 +60,22 @@ def qkv(p: dict, x: jax.Array, config: GPT2Config) -> tuple[jax.Array, jax.Array
     return heads(q), heads(k), heads(v)
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: jax.Array) -> jax.Array:
-    """q [B, T, H, K], k/v [B, S, H, K], mask bool [B, T, S] (True = may attend) -> [B, T, H, K]."""
-    scores = jnp.einsum("BTHK,BSHK->BHTS", q, k, preferred_element_type=F32) * scale
-    scores = jnp.where(mask[:, None, :, :], scores, NEG_INF)
-    weights = jax.nn.softmax(scores, axis=-1)
-    return jnp.einsum("BHTS,BSHK->BTHK", weights.astype(v.dtype), v, preferred_element_type=F32)
+def attend(q: jax.Array, kv_blocks: list[tuple[jax.Array, jax.Array, jax.Array]], scale: jax.Array) -> jax.Array:
+    """q [B, T, H, K] over blocks of (k [B, S, H, K], v [B, S, H, K], mask bool [B or 1, T, S]) -> [B, T, H, K].
+
+    One softmax spans all blocks, so keys split between a cache and the new tokens need no
+    concatenation (which would copy the cache)."""
+    scores = [
+        jnp.where(mask[:, None], jnp.einsum("BTHK,BSHK->BHTS", q, k, preferred_element_type=F32) * scale, NEG_INF)
+        for k, _, mask in kv_blocks
+    ]
+    sizes = [s.shape[-1] for s in scores]
+    weights = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
+    parts = jnp.split(weights, list(itertools.accumulate(sizes))[:-1], axis=-1)
+    return sum(
+        jnp.einsum("BHTS,BSHK->BTHK", w.astype(v.dtype), v, preferred_element_type=F32)
+        for w, (_, v, _) in zip(parts, kv_blocks)
+    )
 
 
 def causal_mask(T: int) -> jax.Array:
@@ -75,7 +87,7 @@ def attention(p: dict, x: jax.Array, config: GPT2Config, scale: jax.Array) -> ja
     """[B, T, D] -> [B, T, D]: causal multi-head self-attention, heads concatenated, then c_proj."""
     B, T, D = x.shape
     q, k, v = qkv(p, x, config)
-    out = attend(q, k, v, causal_mask(T), scale)
+    out = attend(q, [(k, v, causal_mask(T))], scale)
     return linear(p["c_proj"], out.reshape(B, T, D))
 
 

@@ -8,9 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gpt2_jax.cache import KVCache, key_mask, write
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import InputError
-from gpt2_jax.layers import F32, attn_scale, block, layer_norm
+from gpt2_jax.layers import F32, attend, attn_scale, block, causal_mask, layer_norm, linear, mlp, qkv
 from gpt2_jax.params import Params
 
 
@@ -75,3 +76,34 @@ def forward(params: Params, tokens, config: GPT2Config) -> jax.Array:
     tokens = tokens if isinstance(tokens, jax.Array) else np.asarray(tokens)
     check_tokens(tokens, config)
     return _forward(params, jnp.asarray(tokens, jnp.int32), config)
+
+
+def forward_cached(params: Params, tokens: jax.Array, cache: KVCache, config: GPT2Config,
+                   last_only: bool = False) -> tuple[jax.Array, KVCache]:
+    """tokens [B, T] placed at slots [end, end + T) -> (logits [B, T or 1, V], updated cache).
+
+    Inside the layer scan the cache is only read; the new K/V of all layers come out of the scan
+    as [L, B, T, H, K] and are written with one dynamic_update_slice, in place, so a decode step
+    moves one slot of data per layer, never the whole cache."""
+    T = tokens.shape[1]
+    slots = cache.end + jnp.arange(T, dtype=jnp.int32)  # [T]
+    positions = jnp.maximum(slots[None, :] - cache.start[:, None], 0)  # [B, T]; left padding -> 0
+    old_mask = key_mask(cache, T)  # [B, T, S]: this row's earlier slots
+    new_mask = causal_mask(T) & (slots[None, None, :] >= cache.start[:, None, None])  # [B, T, T]
+    eps = config.layer_norm_epsilon
+
+    def step(x, layer):
+        p, i = layer
+        q, k, v = qkv(p["attn"], layer_norm(p["ln_1"], x, eps), config)
+        k_old = jax.lax.dynamic_index_in_dim(cache.k, i, keepdims=False)
+        v_old = jax.lax.dynamic_index_in_dim(cache.v, i, keepdims=False)
+        out = attend(q, [(k_old, v_old, old_mask), (k, v, new_mask)], attn_scale(config, i))
+        x = x + linear(p["attn"]["c_proj"], out.reshape(x.shape))
+        x = x + mlp(p["mlp"], layer_norm(p["ln_2"], x, eps), config)
+        return x, (k.astype(cache.k.dtype), v.astype(cache.v.dtype))
+
+    x = embed(params, tokens, positions)
+    x, (k_new, v_new) = jax.lax.scan(step, x, (params["h"], jnp.arange(config.n_layer)))
+    logits = unembed(params, x[:, -1:] if last_only else x, config)
+    return logits, cache._replace(k=write(cache.k, k_new, cache.end), v=write(cache.v, v_new, cache.end),
+                                  end=cache.end + T)
