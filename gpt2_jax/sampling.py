@@ -56,7 +56,7 @@ def check_sampling_args(temperature: Any, top_k: Any, top_p: Any, batch_size: in
         bad = np.flatnonzero(~np.atleast_1d(ok(v.astype(np.float64))))  # NaN fails every rule
         if bad.size:
             where = f"{name}[{bad[0]}]" if v.ndim else name
-            raise ConfigError(f"{where} must be {allowed}, got {np.atleast_1d(v)[bad[0]]!r}")
+            raise ConfigError(f"{where} must be {allowed}, got {np.atleast_1d(v)[bad[0]].item()!r}")
 
 
 def row_settings(temperature: Any, top_k: Any, top_p: Any, batch_size: int) -> RowSettings:
@@ -64,12 +64,13 @@ def row_settings(temperature: Any, top_k: Any, top_p: Any, batch_size: int) -> R
     check_sampling_args(temperature, top_k, top_p, batch_size)
     shape = (batch_size,)
 
-    def rows(x, dtype):
-        return jnp.broadcast_to(jnp.asarray(x, dtype), shape) if _is_tracer(x) else np.broadcast_to(
-            np.asarray(x).astype(dtype), shape)
+    def rows(x, dtype):  # concrete values stay host arrays, so no eager op compiles per value
+        if _is_tracer(x):
+            return jnp.broadcast_to(jnp.asarray(x, dtype), shape)
+        return np.broadcast_to(np.asarray(x).astype(dtype), shape)
 
     k = top_k if _is_tracer(top_k) else np.minimum(np.asarray(top_k), np.iinfo(np.int32).max)
-    if _is_tracer(top_p):  # float32 subtraction: may differ from transformers by an ulp at the boundary
+    if _is_tracer(top_p):  # float32 subtraction: can sit a few ulps from transformers' threshold
         drop = 1 - jnp.asarray(top_p, jnp.float32)
     else:
         drop = (1.0 - np.asarray(top_p, np.float64)).astype(np.float32)
