@@ -8,7 +8,7 @@ attention masks out. The token in slot s of row b sits at position s - start[b].
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -17,20 +17,23 @@ from gpt2_jax.config import GPT2Config
 
 
 class KVCache(NamedTuple):
-    k: jax.Array  # [L, B, S, H, K] keys of every layer
-    v: jax.Array  # [L, B, S, H, K] values of every layer
+    # Keys and values of every layer: one [L, B, H, S, K] array (stacked params), or a tuple of
+    # L arrays [B, H, S, K] (unstacked params; faster decode on CPU, see model.forward_cached).
+    # Head-major, so attention's matmuls batch over (B, H) without transposing the cache.
+    k: Any
+    v: Any
     start: jax.Array  # [B] int32: first slot of each row (left padding before it)
     end: jax.Array  # [] int32: the next slot to write, the same for every row
 
     @property
     def capacity(self) -> int:
         """S, the number of slots."""
-        return self.k.shape[2]
+        return jax.tree.leaves(self.k)[0].shape[-2]
 
     @property
     def nbytes(self) -> int:
         """2 x L x B x S x D x itemsize."""
-        return 2 * self.k.size * self.k.dtype.itemsize
+        return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves((self.k, self.v)))
 
     @property
     def lengths(self) -> jax.Array:
@@ -43,17 +46,23 @@ def cache_bytes(config: GPT2Config, batch: int, capacity: int, dtype=jnp.float32
     return 2 * config.n_layer * batch * capacity * config.n_embd * jnp.dtype(dtype).itemsize
 
 
-def init_cache(config: GPT2Config, start: jax.Array, capacity: int, dtype=jnp.float32) -> KVCache:
-    """An empty cache for len(start) rows and `capacity` slots."""
-    shape = (config.n_layer, start.shape[0], capacity, config.n_head, config.head_dim)
-    zeros = jnp.zeros(shape, dtype)
-    return KVCache(zeros, zeros, start.astype(jnp.int32), jnp.zeros((), jnp.int32))
+def init_cache(config: GPT2Config, start: jax.Array, capacity: int, dtype=jnp.float32,
+               per_layer: bool = False) -> KVCache:
+    """An empty cache for len(start) rows and `capacity` slots, stacked or one array per layer."""
+    shape = (start.shape[0], config.n_head, capacity, config.head_dim)
+    if per_layer:
+        k = tuple(jnp.zeros(shape, dtype) for _ in range(config.n_layer))
+        v = tuple(jnp.zeros(shape, dtype) for _ in range(config.n_layer))
+    else:
+        k = v = jnp.zeros((config.n_layer, *shape), dtype)
+    return KVCache(k, v, start.astype(jnp.int32), jnp.zeros((), jnp.int32))
 
 
 def write(cache_kv: jax.Array, new: jax.Array, slot: jax.Array) -> jax.Array:
-    """cache [L, B, S, H, K] <- new [L, B, T, H, K] at slots [slot, slot + T), in place."""
-    zero = jnp.zeros((), jnp.int32)
-    return jax.lax.dynamic_update_slice(cache_kv, new.astype(cache_kv.dtype), (zero, zero, slot, zero, zero))
+    """cache [(L,) B, H, S, K] <- new [(L,) B, H, T, K] at slots [slot, slot + T), in place."""
+    start = [jnp.zeros((), jnp.int32)] * cache_kv.ndim
+    start[-2] = slot
+    return jax.lax.dynamic_update_slice(cache_kv, new.astype(cache_kv.dtype), start)
 
 
 def key_mask(cache: KVCache, T: int) -> jax.Array:

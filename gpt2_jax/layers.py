@@ -52,28 +52,34 @@ def attn_scale(config: GPT2Config, layer: jax.Array | int) -> jax.Array:
 
 
 def qkv(p: dict, x: jax.Array, config: GPT2Config) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """[B, T, D] -> q, k, v each [B, T, H, K], from the fused c_attn projection."""
+    """[B, T, D] -> q, k, v each [B, H, T, K] (head-major, the KV cache's layout), from the fused c_attn."""
     B, T, _ = x.shape
-    fused = linear(p["c_attn"], x)  # [B, T, 3D]
-    q, k, v = jnp.split(fused, 3, axis=-1)
-    heads = lambda t: t.reshape(B, T, config.n_head, config.head_dim)  # noqa: E731
-    return heads(q), heads(k), heads(v)
+    fused = linear(p["c_attn"], x).reshape(B, T, 3, config.n_head, config.head_dim)  # [B, T, 3, H, K]
+    q, k, v = jnp.einsum("BTCHK->CBHTK", fused)
+    return q, k, v
+
+
+def merge_heads(x: jax.Array) -> jax.Array:
+    """[B, H, T, K] -> [B, T, D], heads concatenated."""
+    B, H, T, K = x.shape
+    return jnp.einsum("BHTK->BTHK", x).reshape(B, T, H * K)
 
 
 def attend(q: jax.Array, kv_blocks: list[tuple[jax.Array, jax.Array, jax.Array]], scale: jax.Array) -> jax.Array:
-    """q [B, T, H, K] over blocks of (k [B, S, H, K], v [B, S, H, K], mask bool [B or 1, T, S]) -> [B, T, H, K].
+    """q [B, H, T, K] over blocks of (k [B, H, S, K], v [B, H, S, K], mask bool [B or 1, T, S]) -> [B, H, T, K].
 
     One softmax spans all blocks, so keys split between a cache and the new tokens need no
-    concatenation (which would copy the cache)."""
+    concatenation (which would copy the cache). Head-major operands keep (B, H) as leading
+    batch dims of both matmuls, so XLA never transposes the cache."""
     scores = [
-        jnp.where(mask[:, None], jnp.einsum("BTHK,BSHK->BHTS", q, k, preferred_element_type=F32) * scale, NEG_INF)
+        jnp.where(mask[:, None], jnp.einsum("BHTK,BHSK->BHTS", q, k, preferred_element_type=F32) * scale, NEG_INF)
         for k, _, mask in kv_blocks
     ]
     sizes = [s.shape[-1] for s in scores]
     weights = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
     parts = jnp.split(weights, list(itertools.accumulate(sizes))[:-1], axis=-1)
     return sum(
-        jnp.einsum("BHTS,BSHK->BTHK", w.astype(v.dtype), v, preferred_element_type=F32)
+        jnp.einsum("BHTS,BHSK->BHTK", w.astype(v.dtype), v, preferred_element_type=F32)
         for w, (_, v, _) in zip(parts, kv_blocks)
     )
 
@@ -85,10 +91,9 @@ def causal_mask(T: int) -> jax.Array:
 
 def attention(p: dict, x: jax.Array, config: GPT2Config, scale: jax.Array) -> jax.Array:
     """[B, T, D] -> [B, T, D]: causal multi-head self-attention, heads concatenated, then c_proj."""
-    B, T, D = x.shape
     q, k, v = qkv(p, x, config)
-    out = attend(q, [(k, v, causal_mask(T))], scale)
-    return linear(p["c_proj"], out.reshape(B, T, D))
+    out = attend(q, [(k, v, causal_mask(x.shape[1]))], scale)
+    return linear(p["c_proj"], merge_heads(out))
 
 
 def block(p: dict, x: jax.Array, config: GPT2Config, scale: jax.Array) -> jax.Array:

@@ -151,3 +151,19 @@ def cast_params(params: Params, dtype: Any) -> Params:
 def param_bytes(params: Params) -> int:
     """Total bytes of all leaves."""
     return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(params))
+
+
+def unstack_layers(params: Params) -> Params:
+    """params with "h" as a list of L per-layer dicts, each leaf its own buffer (faster decode on CPU)."""
+    if isinstance(params["h"], (list, tuple)):
+        return params
+    n_layer = jax.tree.leaves(params["h"])[0].shape[0]
+    h = [jax.tree.map(lambda a: jnp.array(a[i]), params["h"]) for i in range(n_layer)]
+    return {**params, "h": h}
+
+
+def stack_layers(params: Params) -> Params:
+    """The inverse of unstack_layers: "h" leaves stacked on a leading L axis."""
+    if not isinstance(params["h"], (list, tuple)):
+        return params
+    return {**params, "h": jax.tree.map(lambda *a: jnp.stack(a), *params["h"])}

@@ -1,0 +1,146 @@
+"""Autoregressive generation: prefill the prompts in one pass, then a lax.scan of decode steps, in one jit.
+
+Shapes are bucketed (prompt length P and step count N round up to powers of two), and every
+sampling setting, key and stop id is a traced value, so a new temperature never recompiles.
+A row's randomness is fold_in(row_key, absolute position): its tokens depend only on its prompt,
+key and settings, never on its batch neighbours, the batch size, the padding or the cache size.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Iterator, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gpt2_jax import sampling
+from gpt2_jax.cache import KVCache, init_cache
+from gpt2_jax.config import GPT2Config
+from gpt2_jax.model import forward_cached
+from gpt2_jax.params import Params
+from gpt2_jax.prompts import Batch, check_stop_args, make_batch, row_keys
+
+MAX_STOP_IDS = 8  # stop ids are padded to a fixed count so their number never changes a shape
+
+
+class StopRule(NamedTuple):
+    eos_id: jax.Array  # [] int32; -1 = never stop on EOS
+    stop_ids: jax.Array  # [MAX_STOP_IDS] int32; -1 = unused slot
+
+
+class DecodeState(NamedTuple):
+    cache: KVCache  # K/V of every layer [L, B, S, H, K], row starts [B], next slot []
+    logits: jax.Array  # [B, V] float32: next-token logits of each row
+    keys: jax.Array  # [B] PRNG keys, one per row
+    positions: jax.Array  # [B] int32: absolute position of the token sampled next
+    done: jax.Array  # [B] bool: the row has emitted EOS or a stop id
+    fill: jax.Array  # [B] int32: what a finished row emits (the EOS id, else its stop token)
+    lengths: jax.Array  # [B] int32: tokens generated so far, the stopping token included
+
+
+class GenerateResult(NamedTuple):
+    tokens: np.ndarray  # [B, max_new_tokens] int32; after a row stops: the EOS id
+    lengths: np.ndarray  # [B] int32: generated tokens per row, the stopping token included
+    logprobs: np.ndarray | None  # [B, max_new_tokens] float32 log p(token) under the raw logits
+
+
+@functools.partial(jax.jit, static_argnames=("config", "capacity"))
+def prefill(params: Params, tokens: jax.Array, start: jax.Array, keys: jax.Array, config: GPT2Config,
+            capacity: int) -> DecodeState:
+    """Left-padded prompts [B, P] (row b starts at slot start[b]) -> the state before the first draw."""
+    cache = init_cache(config, start, capacity, params["wte"].dtype, isinstance(params["h"], (list, tuple)))
+    logits, cache = forward_cached(params, tokens, cache, config, last_only=True)
+    B, P = tokens.shape
+    no = jnp.zeros(B, bool)
+    return DecodeState(cache, logits[:, 0], keys, P - start, no, jnp.zeros(B, jnp.int32), jnp.zeros(B, jnp.int32))
+
+
+def _draw(state: DecodeState, settings: sampling.RowSettings, stop: StopRule, n_valid: int):
+    """Sample each row's next token -> (state with done/fill/lengths updated, tokens [B], logprobs [B])."""
+    keys = jax.vmap(jax.random.fold_in)(state.keys, state.positions)
+    token = sampling._sample_rows(keys, state.logits, settings, n_valid)
+    logprob = jnp.take_along_axis(jax.nn.log_softmax(state.logits), token[:, None], axis=-1)[:, 0]
+    stops = (token == stop.eos_id) | (token[:, None] == stop.stop_ids[None, :]).any(-1)
+    token = jnp.where(state.done, state.fill, token)
+    logprob = jnp.where(state.done, 0.0, logprob)
+    fill = jnp.where(state.done, state.fill, jnp.where(stop.eos_id >= 0, stop.eos_id, token))
+    lengths = state.lengths + (~state.done).astype(jnp.int32)
+    return state._replace(done=state.done | stops, fill=fill, lengths=lengths), token, logprob
+
+
+def _feed(params: Params, state: DecodeState, token: jax.Array, config: GPT2Config) -> DecodeState:
+    """Run the drawn tokens [B] through the model: their K/V enter the cache, new logits come out."""
+    logits, cache = forward_cached(params, token[:, None], state.cache, config)
+    return state._replace(cache=cache, logits=logits[:, 0], positions=state.positions + 1)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def decode_step(params: Params, state: DecodeState, settings: sampling.RowSettings, stop: StopRule,
+                config: GPT2Config) -> tuple[DecodeState, jax.Array, jax.Array]:
+    """One streaming step: draw tokens [B] (and their logprobs [B]), then feed them back."""
+    state, token, logprob = _draw(state, settings, stop, config.valid_vocab)
+    return _feed(params, state, token, config), token, logprob
+
+
+@functools.partial(jax.jit, static_argnames=("config", "capacity", "steps"))
+def _generate(params: Params, tokens: jax.Array, start: jax.Array, keys: jax.Array,
+              settings: sampling.RowSettings, stop: StopRule, max_new: jax.Array, config: GPT2Config,
+              capacity: int, steps: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """prefill + a scan of `steps` draws -> (tokens [B, steps], logprobs [B, steps], lengths [B])."""
+    state = prefill(params, tokens, start, keys, config, capacity)
+
+    def step(state, t):
+        state, token, logprob = _draw(state, settings, stop, config.valid_vocab)
+        # The model runs only while a later draw needs it: not after the last step, not once all rows stop.
+        go = (t + 1 < max_new) & ~state.done.all()
+        state = jax.lax.cond(go, lambda s: _feed(params, s, token, config), lambda s: s, state)
+        return state, (token, logprob)
+
+    state, (toks, logprobs) = jax.lax.scan(step, state, jnp.arange(steps))
+    return toks.T, logprobs.T, jnp.minimum(state.lengths, max_new)  # draws past max_new are discarded
+
+
+def _prepare(config: GPT2Config, prompts: Any, key: jax.Array, max_new_tokens: int, temperature: Any,
+             top_k: Any, top_p: Any, eos_id: int | None, stop_ids: Any) -> tuple[Batch, sampling.RowSettings, StopRule]:
+    """Validate everything on the host, before anything is traced."""
+    batch = make_batch(prompts, config, max_new_tokens)
+    settings = sampling.row_settings(temperature, top_k, top_p, batch.tokens.shape[0])
+    eos, stops = check_stop_args(eos_id, stop_ids, config, MAX_STOP_IDS)
+    return batch._replace(keys=row_keys(key, batch.tokens.shape[0])), settings, StopRule(eos, stops)
+
+
+def generate(params: Params, config: GPT2Config, prompts: Any, key: jax.Array, *, max_new_tokens: int,
+             temperature: Any = 1.0, top_k: Any = 0, top_p: Any = 1.0, eos_id: int | None = 50256,
+             stop_ids: Any = (), return_logprobs: bool = False) -> GenerateResult:
+    """Prompts (lists of token ids, ragged) -> GenerateResult(tokens [B, N], lengths [B], logprobs [B, N]).
+
+    key: one PRNG key (row b uses fold_in(key, b)) or one key per row [B]. temperature, top_k,
+    top_p: scalars or per-row [B]. eos_id=None never stops on EOS; stop_ids adds more stop tokens."""
+    batch, settings, stop = _prepare(config, prompts, key, max_new_tokens, temperature, top_k, top_p, eos_id,
+                                     stop_ids)
+    toks, logprobs, lengths = _generate(
+        params, batch.tokens, batch.start, batch.keys, settings, stop, jnp.int32(max_new_tokens), config,
+        batch.capacity, batch.steps,
+    )
+    n = max_new_tokens
+    return GenerateResult(
+        np.asarray(toks)[:, :n], np.asarray(lengths), np.asarray(logprobs)[:, :n] if return_logprobs else None
+    )
+
+
+def generate_stream(params: Params, config: GPT2Config, prompts: Any, key: jax.Array, *, max_new_tokens: int,
+                    temperature: Any = 1.0, top_k: Any = 0, top_p: Any = 1.0, eos_id: int | None = 50256,
+                    stop_ids: Any = ()) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Like generate, one decode_step at a time: yields (tokens [B], live [B]) per step, where
+    live marks the rows whose token is newly generated (the others have stopped and repeat EOS)."""
+    batch, settings, stop = _prepare(config, prompts, key, max_new_tokens, temperature, top_k, top_p, eos_id,
+                                     stop_ids)
+    state = prefill(params, batch.tokens, batch.start, batch.keys, config, batch.capacity)
+    for _ in range(max_new_tokens):
+        live = ~np.asarray(state.done)
+        state, token, _ = decode_step(params, state, settings, stop, config)
+        yield np.asarray(token), live
+        if np.asarray(state.done).all():
+            return
