@@ -1,0 +1,108 @@
+"""The gpt2-jax command line: generate (plain, streamed, stdin, samples), hub ids, convert, one-line errors."""
+
+import io
+import re
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+import gpt2_jax
+from gpt2_jax import hub
+from gpt2_jax.cli import main
+from gpt2_jax.generate import generate
+from tests.reference import make_hf_model
+
+SUMMARY = re.compile(r"^gpt2-jax: \d+ tokens in [\d.]+ s \([\d.]+ tokens/s\), compile [\d.]+ s, KV cache [\d.]+ [KM]iB$")
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    # The real GPT-2 vocab, so the tokenizer's ids are valid; otherwise tiny.
+    model = make_hf_model(seed=17, n_layer=1, n_head=2, n_embd=32, vocab_size=50257, n_positions=64)
+    path = tmp_path_factory.mktemp("cli") / "hf"
+    model.save_pretrained(path)
+    return path
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_generate_prints_prompt_plus_the_library_tokens(hf_dir, capsys):
+    code, out, err = run(capsys, "generate", "--model", str(hf_dir), "--prompt", "Hello world", "--max-new-tokens",
+                         "12", "--seed", "3", "--top-k", "40")  # fmt: skip
+    assert code == 0
+    params, config = gpt2_jax.load(hf_dir)
+    enc = gpt2_jax.tokenizer()
+    ref = generate(params, config, [enc.encode("Hello world")], jax.random.key(3), max_new_tokens=12, top_k=40)
+    tokens = [t for t in ref.tokens[0, : ref.lengths[0]].tolist() if t != 50256]
+    assert out == "Hello world" + enc.decode(tokens) + "\n"
+    assert SUMMARY.match(err.strip()), err
+
+
+def test_stream_prints_the_same_text(hf_dir, capsys):
+    args = ["generate", "--model", str(hf_dir), "--prompt", "ROMEO:", "--max-new-tokens", "15", "--seed", "5"]
+    _, plain, _ = run(capsys, *args)
+    code, streamed, err = run(capsys, *args, "--stream")
+    assert code == 0 and streamed == plain
+    assert SUMMARY.match(err.strip()), err
+
+
+def test_prompt_from_stdin_and_samples(hf_dir, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Once upon a time"))
+    code, out, err = run(capsys, "generate", "--model", str(hf_dir), "--num-samples", "3", "--max-new-tokens", "6")
+    assert code == 0
+    samples = re.split(r"--- sample \d ---\n", out)[1:]
+    assert len(samples) == 3 and all(s.startswith("Once upon a time") for s in samples)
+    assert len(set(samples)) == 3  # one key, folded per row: different samples
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--top-p", "2"], "error: top_p must be a number in (0, 1]"),
+    (["--temperature", "-1"], "error: temperature must be a finite number >= 0"),
+    (["--max-new-tokens", "100"], "exceed the context n_positions=64"),
+    (["--num-samples", "2", "--stream"], "error: --stream prints one sample"),
+])  # fmt: skip
+def test_bad_arguments_are_one_line(hf_dir, capsys, argv, message):
+    code, out, err = run(capsys, "generate", "--model", str(hf_dir), "--prompt", "hi", "--max-new-tokens", "10", *argv)
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and message in err
+
+
+def test_hub_id_is_downloaded_once_and_cached_converted(hf_dir, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("GPT2_JAX_CACHE", str(tmp_path / "cache"))
+    calls = []
+    monkeypatch.setattr(hub, "_download", lambda repo: calls.append(repo) or hf_dir)
+    for _ in range(2):
+        code, out, _ = run(capsys, "generate", "--model", "someone/tiny-gpt2", "--prompt", "hi", "--max-new-tokens", "3")
+        assert code == 0 and out.startswith("hi")
+    assert calls == ["someone/tiny-gpt2"]
+    assert (tmp_path / "cache" / "someone--tiny-gpt2" / "gpt2_jax.json").is_file()
+
+
+def test_hub_id_offline_says_what_to_do(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("GPT2_JAX_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code, _, err = run(capsys, "generate", "--model", "gpt2-not-cached", "--prompt", "hi")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "could not be downloaded" in err and "--model /path/to/that/dir" in err
+
+
+def test_convert_subcommand(hf_dir, capsys, tmp_path):
+    code, _, err = run(capsys, "convert", str(hf_dir), str(tmp_path / "out"), "--dtype", "bfloat16")
+    assert code == 0 and "wrote gpt2_jax checkpoint" in err
+    params, _ = gpt2_jax.load(tmp_path / "out")
+    assert params["wte"].dtype == np.dtype("bfloat16") or str(params["wte"].dtype) == "bfloat16"
+
+
+def test_python_dash_m_entry_point(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "gpt2_jax", "generate", "--model", str(tmp_path / "missing"),
+                          "--prompt", "x"], capture_output=True, text=True)  # fmt: skip
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [f"error: {tmp_path / 'missing'}: no such file or directory "
+                                               "(and not a HuggingFace hub id)"]  # fmt: skip
