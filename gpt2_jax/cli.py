@@ -54,11 +54,11 @@ def _summary(n_tokens: int, seconds: float, compile_s: float, cache_bytes: int) 
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from gpt2_jax import generate as gen
     from gpt2_jax.cache import cache_bytes
     from gpt2_jax.hub import resolve_model
     from gpt2_jax.loading import load
     from gpt2_jax.params import unstack_layers
+    from gpt2_jax.generate import _generate, _prepare
     from gpt2_jax.tokenizer import EOT, tokenizer
 
     if args.num_samples < 1:
@@ -71,13 +71,13 @@ def _generate(args: argparse.Namespace) -> int:
     params, config = load(resolve_model(args.model), dtype=args.dtype)
     params = unstack_layers(params)  # the fast decode layout (see model.forward_cached)
     eos = EOT if EOT < config.vocab_size else None
-    batch, settings, stop = gen._prepare(config, [ids] * args.num_samples, jax.random.key(args.seed),
+    batch, settings, stop = _prepare(config, [ids] * args.num_samples, jax.random.key(args.seed),
                                          args.max_new_tokens, args.temperature, args.top_k, args.top_p, eos, ())
     cache = cache_bytes(config, args.num_samples, batch.capacity, params["wte"].dtype)
     if args.stream:
         return _stream(params, config, batch, settings, stop, args, enc, cache)
     t0 = time.perf_counter()
-    compiled = gen._generate.lower(params, batch.tokens, batch.start, batch.keys, settings, stop,
+    compiled = _generate.lower(params, batch.tokens, batch.start, batch.keys, settings, stop,
                                    np.int32(args.max_new_tokens), config, batch.capacity, batch.steps).compile()
     t1 = time.perf_counter()
     toks, _, lengths = compiled(params, batch.tokens, batch.start, batch.keys, settings, stop,
@@ -93,19 +93,19 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _stream(params, config, batch, settings, stop, args, enc, cache) -> int:
-    from gpt2_jax import generate as gen
+    from gpt2_jax.generate import decode_step, prefill
 
     t0 = time.perf_counter()
-    prefill = gen.prefill.lower(params, batch.tokens, batch.start, batch.keys, config, batch.capacity).compile()
-    state = jax.eval_shape(gen.prefill, params, batch.tokens, batch.start, batch.keys, config, batch.capacity)
-    step = gen.decode_step.lower(params, state, settings, stop, config).compile()
+    run_prefill = prefill.lower(params, batch.tokens, batch.start, batch.keys, config, batch.capacity).compile()
+    state = jax.eval_shape(prefill, params, batch.tokens, batch.start, batch.keys, config, batch.capacity)
+    run_step = decode_step.lower(params, state, settings, stop, config).compile()
     t1 = time.perf_counter()
     out = TextStream(enc)
     out.out.write(args.prompt if args.prompt is not None else "")
-    state = prefill(params, batch.tokens, batch.start, batch.keys)
+    state = run_prefill(params, batch.tokens, batch.start, batch.keys)
     n = 0
     for _ in range(args.max_new_tokens):
-        state, token, _ = step(params, state, settings, stop)
+        state, token, _ = run_step(params, state, settings, stop)
         t, n = int(np.asarray(token)[0]), n + 1
         if t == int(stop.eos_id):
             break
