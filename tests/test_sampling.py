@@ -226,7 +226,7 @@ def test_traced_settings_inside_a_users_jit_and_a_scan():
     # The generation loop's entry point: per-row settings and keys inside lax.scan.
     settings = sampling.row_settings(0.9, 10, 0.95, 5)
     keys = jax.random.split(jax.random.key(8), (3, 5))
-    step = lambda c, ks: (c, sampling._sample_rows(ks, logits, settings))  # noqa: E731
+    step = lambda c, ks: (c, sampling.sample_rows(ks, logits, settings))  # noqa: E731
     scanned = jax.lax.scan(step, 0, keys)[1]
     for s in range(3):
         np.testing.assert_array_equal(scanned[s], sample(keys[s], logits, temperature=0.9, top_k=10, top_p=0.95))
@@ -261,3 +261,134 @@ def test_invalid_settings_raise_before_compiling(kwargs, name, shown):
 def test_wrong_number_of_keys_raises():
     with pytest.raises(ConfigError, match="key"):
         sample(jax.random.split(jax.random.key(0), 2), jnp.zeros((3, 11)), temperature=1.0, top_k=0, top_p=1.0)
+
+
+# sample_rows: a program chosen at run time per batch (0 greedy, 1 no filter, 2 top-C candidates,
+# 3 full sort), one uniform per row, inverse CDF over token ids.
+
+
+def program(t, k, p, b, v, n_valid=None) -> int:
+    return int(sampling._program(sampling.row_settings(t, k, p, b), v, n_valid)[1])
+
+
+def chi2_pvalue(counts: np.ndarray, expected: np.ndarray) -> float:
+    """Goodness of fit of counts [N] to expected counts [N]; cells expecting < 5 draws are pooled."""
+    small = expected < 5
+    obs, exp = counts[~small], expected[~small]
+    if small.any():
+        obs, exp = np.append(obs, counts[small].sum()), np.append(exp, expected[small].sum())
+    return scipy.stats.chisquare(obs, exp).pvalue
+
+
+def assert_draws_follow_probs(logits, t, k, p, n=20000, seed=0, n_valid=None) -> np.ndarray:
+    """n draws of each row of a batch (tiled n times: the same program) vs next_token_probs."""
+    b, v = logits.shape
+    expected = probs(logits, t, k, p, n_valid)
+    rows = lambda x: np.tile(np.broadcast_to(np.asarray(x), (b,)), n)  # noqa: E731
+    tokens = sample(
+        jax.random.key(seed), np.tile(logits, (n, 1)), temperature=rows(t), top_k=rows(k), top_p=rows(p),
+        n_valid=n_valid,
+    )
+    tokens = np.asarray(tokens).reshape(n, b)
+    for i in range(b):
+        counts = np.bincount(tokens[:, i], minlength=v)
+        support = expected[i] > 0
+        assert counts[~support].sum() == 0, f"row {i} drew a filtered-out token"
+        if support.sum() == 1:
+            assert counts[support].item() == n
+        else:
+            assert chi2_pvalue(counts[support], n * expected[i, support] / expected[i].sum()) > 1e-3, f"row {i}"
+    return tokens
+
+
+@pytest.mark.parametrize(
+    "t, k, p, n_valid, expected_program",
+    [
+        ([0.0, 0.0, 0.0], [0, 50, 3], [1.0, 0.9, 0.5], None, 0),  # greedy rows ignore top-k/top-p
+        ([0.8, 1.3], [0, 1000], 1.0, None, 1),  # top_k >= V is off
+        ([0.9, 1.5], [0, 290], 1.0, 280, 1),  # top_k >= n_valid is off too
+        ([1.0, 0.7, 1.5], [50, 127, 5], [0.9, 1.0, 0.5], None, 2),
+        (1.2, 0, 0.9, None, 3),  # top-p alone needs the whole vocabulary
+        (0.9, 128, 1.0, None, 3),  # k beyond the window
+        ([0.0, 0.9, 1.4], [0, 20, 100], [1.0, 0.95, 1.0], 280, 2),  # a greedy row among candidates
+        ([0.0, 0.7], [5, 0], [0.5, 1.0], None, 1),  # a greedy row among unfiltered rows
+        ([0.0, 0.8, 1.3, 1.0], [0, 50, 0, 0], [1.0, 0.9, 0.8, 1.0], 280, 3),  # mixed: the full sort
+    ],
+)
+def test_draws_of_every_program_follow_next_token_probs(t, k, p, n_valid, expected_program):
+    rng = np.random.default_rng(20)
+    b = max(np.size(t), np.size(k), np.size(p))
+    logits = (1.5 * rng.standard_normal((b, 300))).astype(np.float32)
+    logits[0, [11, 42]] = logits[0].max() + 1.0  # a tie at the top: greedy takes the lower id
+    logits[:, 280:] = 50.0  # padding columns when n_valid = 280; ordinary (winning) tokens otherwise
+    assert program(t, k, p, b, 300, n_valid) == expected_program
+    tokens = assert_draws_follow_probs(logits, t, k, p, n_valid=n_valid)
+    greedy = np.broadcast_to(np.asarray(t) == 0, (b,))
+    top = np.where(np.arange(300) < (n_valid or 300), logits, -np.inf).argmax(-1)
+    assert (tokens[:, greedy] == top[greedy]).all()
+    if greedy[0] and n_valid:
+        assert top[0] == 11
+
+
+@pytest.mark.parametrize("n_ties, top_p", [(127, 1.0), (128, 1.0), (200, 1.0), (127, 0.9), (200, 0.9)])
+def test_ties_at_the_kth_value_beyond_the_candidate_window(n_ties, top_p):
+    # Every token tying with the k-th value survives top-k, so 200 ties cannot fit 128 candidates: the
+    # candidate program must see its last candidate equal the k-th value and fall back to the full sort.
+    # 127 ties fit (the 128th candidate is lower); 128 fit too, but the window cannot tell, so it falls back.
+    rng = np.random.default_rng(21)
+    logits = (rng.standard_normal((1, 1000)) - 3.0).astype(np.float32)
+    tied = rng.permutation(1000)[:n_ties]
+    logits[0, tied] = 2.0
+    assert program(1.0, 5, top_p, 1, 1000) == 2
+    expected = probs(logits, 1.0, 5, top_p)[0]
+    assert set(np.flatnonzero(expected)) <= set(tied)
+    assert (expected > 0).sum() == n_ties or top_p < 1
+    tokens = assert_draws_follow_probs(logits, 1.0, 5, top_p)
+    assert set(np.unique(tokens)) == set(np.flatnonzero(expected))
+
+
+ROW_PAIRS = [
+    # (row's settings, a neighbour's settings), the row's program alone, and with the neighbour
+    ((1.0, 50, 0.9), (1.0, 0, 0.9), 2, 3),
+    ((0.7, 100, 1.0), (1.0, 0, 1.0), 2, 3),
+    ((0.8, 0, 1.0), (1.0, 0, 0.9), 1, 3),
+    ((0.8, 0, 1.0), (1.0, 50, 0.9), 1, 3),
+    ((0.0, 0, 1.0), (1.0, 50, 0.9), 0, 2),
+    ((0.0, 7, 0.5), (1.0, 0, 0.9), 0, 3),
+    ((0.0, 0, 1.0), (1.3, 0, 1.0), 0, 1),
+]
+
+
+@jax.jit
+def _rows(keys, logits, settings):
+    return sampling.sample_rows(keys, logits, settings)
+
+
+@pytest.mark.parametrize("v, n", [(2000, 2000), (50257, 64)])
+def test_a_rows_token_does_not_depend_on_its_neighbours_program(v, n):
+    # n keys for one row: alone (n + 1 copies, all one program) vs next to a neighbour whose settings
+    # select another program for the whole batch. Both batches have one shape: one compilation.
+    rng = np.random.default_rng(22)
+    row = (2.5 * rng.standard_normal(v)).astype(np.float32)
+    keys = jax.random.split(jax.random.key(23), n + 1)
+    logits = np.tile(row, (n + 1, 1))
+    for mine, other, alone_program, with_program in ROW_PAIRS:
+        alone_rows = [np.full(n + 1, x) for x in mine]
+        with_rows = [np.append(x[:n], y) for x, y in zip(alone_rows, other)]
+        assert program(*alone_rows, n + 1, v) == alone_program
+        assert program(*with_rows, n + 1, v) == with_program
+        alone = np.asarray(_rows(keys, logits, sampling.row_settings(*alone_rows, n + 1)))[:n]
+        with_neighbour = np.asarray(_rows(keys, logits, sampling.row_settings(*with_rows, n + 1)))[:n]
+        np.testing.assert_array_equal(alone, with_neighbour, err_msg=f"{mine} next to {other}")
+        expected = probs(row[None], *mine)[0]
+        assert (expected[alone] > 0).all()
+        assert (alone == expected.argmax()).all() if mine[0] == 0 else len(np.unique(alone)) > 5
+
+
+def test_argmax_helper_is_jnp_argmax():
+    x = np.random.default_rng(24).integers(-3, 3, (6, 40)).astype(np.float32)
+    x[1, 5] = np.inf
+    x[2, [3, 9]] = np.nan
+    x[3] = -np.inf
+    x[4, :20] = -np.inf
+    np.testing.assert_array_equal(jax.jit(sampling._argmax)(x), jnp.argmax(x, axis=-1))
