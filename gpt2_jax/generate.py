@@ -1,4 +1,4 @@
-"""Autoregressive generation: prefill the prompts in one pass, then a lax.scan of decode steps, in one jit.
+"""Autoregressive generation: prefill the prompts in one pass, then a loop of decode steps, in one jit.
 
 Shapes are bucketed (prompt length P and step count N round up to powers of two), and every
 sampling setting, key and stop id is a traced value, so a new temperature never recompiles.
@@ -51,7 +51,7 @@ def prefill(params: Params, tokens: jax.Array, start: jax.Array, keys: jax.Array
             capacity: int) -> DecodeState:
     """Left-padded prompts [B, P] (row b starts at slot start[b]) -> the state before the first draw."""
     cache = init_cache(config, start, capacity, params["wte"].dtype, isinstance(params["h"], (list, tuple)))
-    logits, cache = forward_cached(params, tokens, cache, config, last_only=True)
+    logits, cache = forward_cached(params, tokens, cache, config, last_only=True, empty=True)
     B, P = tokens.shape
     no = jnp.zeros(B, bool)
     return DecodeState(cache, logits[:, 0], keys, P - start, no, jnp.zeros(B, jnp.int32), jnp.zeros(B, jnp.int32))
@@ -60,7 +60,7 @@ def prefill(params: Params, tokens: jax.Array, start: jax.Array, keys: jax.Array
 def _draw(state: DecodeState, settings: sampling.RowSettings, stop: StopRule, n_valid: int):
     """Sample each row's next token -> (state with done/fill/lengths updated, tokens [B], logprobs [B])."""
     keys = jax.vmap(jax.random.fold_in)(state.keys, state.positions)
-    token = sampling._sample_rows(keys, state.logits, settings, n_valid)
+    token = sampling.sample_rows(keys, state.logits, settings, n_valid)
     logprob = jnp.take_along_axis(jax.nn.log_softmax(state.logits), token[:, None], axis=-1)[:, 0]
     stops = (token == stop.eos_id) | (token[:, None] == stop.stop_ids[None, :]).any(-1)
     token = jnp.where(state.done, state.fill, token)
@@ -88,18 +88,30 @@ def decode_step(params: Params, state: DecodeState, settings: sampling.RowSettin
 def _generate(params: Params, tokens: jax.Array, start: jax.Array, keys: jax.Array,
               settings: sampling.RowSettings, stop: StopRule, max_new: jax.Array, config: GPT2Config,
               capacity: int, steps: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """prefill + a scan of `steps` draws -> (tokens [B, steps], logprobs [B, steps], lengths [B])."""
+    """prefill + up to max_new draws -> (tokens [B, steps], logprobs [B, steps], lengths [B]).
+
+    The loop is lax.while_loop, scan's sibling with a run-time trip count: it stops after max_new
+    draws or once every row has stopped, never running the bucket's padding steps. (A lax.cond
+    inside a lax.scan would skip them too, but XLA then copies the whole KV cache every step:
+    8 ms of a 49 ms step at batch 8, measured.) Outputs are preallocated and written in place."""
     state = prefill(params, tokens, start, keys, config, capacity)
+    B = tokens.shape[0]
 
-    def step(state, t):
+    def running(carry):
+        t, state, _, _ = carry
+        return (t < max_new) & ~state.done.all()
+
+    def step(carry):
+        t, state, toks, logprobs = carry
         state, token, logprob = _draw(state, settings, stop, config.valid_vocab)
-        # The model runs only while a later draw needs it: not after the last step, not once all rows stop.
-        go = (t + 1 < max_new) & ~state.done.all()
-        state = jax.lax.cond(go, lambda s: _feed(params, s, token, config), lambda s: s, state)
-        return state, (token, logprob)
+        toks = jax.lax.dynamic_update_index_in_dim(toks, token, t, axis=1)
+        logprobs = jax.lax.dynamic_update_index_in_dim(logprobs, logprob, t, axis=1)
+        return t + 1, _feed(params, state, token, config), toks, logprobs
 
-    state, (toks, logprobs) = jax.lax.scan(step, state, jnp.arange(steps))
-    return toks.T, logprobs.T, jnp.minimum(state.lengths, max_new)  # draws past max_new are discarded
+    empty = (jnp.zeros((B, steps), jnp.int32), jnp.zeros((B, steps), jnp.float32))
+    t, state, toks, logprobs = jax.lax.while_loop(running, step, (jnp.zeros((), jnp.int32), state, *empty))
+    after = jnp.arange(steps)[None, :] >= t  # steps never drawn because every row had stopped
+    return jnp.where(after, state.fill[:, None], toks), jnp.where(after, 0.0, logprobs), state.lengths
 
 
 def _prepare(config: GPT2Config, prompts: Any, key: jax.Array, max_new_tokens: int, temperature: Any,

@@ -11,7 +11,9 @@ import numpy as np
 from gpt2_jax.cache import KVCache, key_mask, write
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import InputError
-from gpt2_jax.layers import F32, attend, attn_scale, block, causal_mask, layer_norm, linear, merge_heads, mlp, qkv
+from gpt2_jax.layers import (
+    F32, attend, attn_scale, block, causal_mask, dropout, layer_norm, linear, merge_heads, mlp, qkv,
+)  # fmt: skip
 from gpt2_jax.params import Params
 
 
@@ -32,22 +34,29 @@ def unembed(params: Params, h: jax.Array, config: GPT2Config) -> jax.Array:
     return jnp.einsum("BTD,VD->BTV", h.astype(wte.dtype), wte, preferred_element_type=F32)
 
 
-def run_blocks(params: Params, x: jax.Array, config: GPT2Config) -> jax.Array:
-    """[B, T, D] -> [B, T, D]: scan over the L stacked blocks (compile time independent of L)."""
+def run_blocks(params: Params, x: jax.Array, config: GPT2Config, key: jax.Array | None = None) -> jax.Array:
+    """[B, T, D] -> [B, T, D]: scan over the L stacked blocks (compile time independent of L).
+    With a key, layer i's dropout uses fold_in(key, i)."""
 
     def step(x, layer):
         p, i = layer
-        return block(p, x, config, attn_scale(config, i)), None
+        layer_key = None if key is None else jax.random.fold_in(key, i)
+        return block(p, x, config, attn_scale(config, i), layer_key), None
 
     x, _ = jax.lax.scan(step, x, (params["h"], jnp.arange(config.n_layer)))
     return x
 
 
+def apply(params: Params, tokens: jax.Array, config: GPT2Config, key: jax.Array | None = None) -> jax.Array:
+    """tokens [B, T] -> logits [B, T, V], unjitted and unchecked. A key turns on dropout (training only)."""
+    k_embd, k_blocks = (None, None) if key is None else jax.random.split(key)
+    x = dropout(embed(params, tokens, jnp.arange(tokens.shape[1])), config.embd_pdrop, k_embd)
+    return unembed(params, run_blocks(params, x, config, k_blocks), config)
+
+
 @functools.partial(jax.jit, static_argnames="config")
 def _forward(params: Params, tokens: jax.Array, config: GPT2Config) -> jax.Array:
-    T = tokens.shape[1]
-    x = embed(params, tokens, jnp.arange(T))
-    return unembed(params, run_blocks(params, x, config), config)
+    return apply(params, tokens, config)  # no key: inference never applies dropout
 
 
 def check_tokens(tokens, config: GPT2Config) -> None:
@@ -84,14 +93,15 @@ def _cached_layer(p: dict, i, x: jax.Array, k_old: jax.Array, v_old: jax.Array, 
     -> (x [B, T, D], the new tokens' k, v [B, H, T, K])."""
     eps = config.layer_norm_epsilon
     q, k, v = qkv(p["attn"], layer_norm(p["ln_1"], x, eps), config)
-    out = attend(q, [(k_old, v_old, old_mask), (k, v, new_mask)], attn_scale(config, i))
+    blocks = [(k, v, new_mask)] if old_mask is None else [(k_old, v_old, old_mask), (k, v, new_mask)]
+    out = attend(q, blocks, attn_scale(config, i))
     x = x + linear(p["attn"]["c_proj"], merge_heads(out))
     x = x + mlp(p["mlp"], layer_norm(p["ln_2"], x, eps), config)
     return x, k.astype(k_old.dtype), v.astype(v_old.dtype)
 
 
 def forward_cached(params: Params, tokens: jax.Array, cache: KVCache, config: GPT2Config,
-                   last_only: bool = False) -> tuple[jax.Array, KVCache]:
+                   last_only: bool = False, empty: bool = False) -> tuple[jax.Array, KVCache]:
     """tokens [B, T] placed at slots [end, end + T) -> (logits [B, T or 1, V], updated cache).
 
     The cache is only read while the blocks run; the new K/V are written afterwards with
@@ -99,11 +109,12 @@ def forward_cached(params: Params, tokens: jax.Array, cache: KVCache, config: GP
     Stacked params (params["h"] leaves [L, ...]) run as a lax.scan over a [L, B, S, H, K] cache.
     Unstacked params (params["h"] a list, see params.unstack_layers) run as a Python loop over
     per-layer caches: each layer's weights are then their own buffers, which XLA's CPU matmuls
-    read directly, where slicing a stacked array inside a loop copies it first (1.7x faster decode)."""
+    read directly, where slicing a stacked array inside a loop copies it first (1.7x faster decode).
+    empty=True (prefill into a fresh cache) skips attending to the cache, which holds nothing yet."""
     T = tokens.shape[1]
     slots = cache.end + jnp.arange(T, dtype=jnp.int32)  # [T]
     positions = jnp.maximum(slots[None, :] - cache.start[:, None], 0)  # [B, T]; left padding -> 0
-    masks = (key_mask(cache, T),  # [B, T, S]: this row's earlier slots
+    masks = (None if empty else key_mask(cache, T),  # [B, T, S]: this row's earlier slots
              causal_mask(T) & (slots[None, None, :] >= cache.start[:, None, None]))  # [B, T, T]
     x = embed(params, tokens, positions)
     if isinstance(params["h"], (list, tuple)):

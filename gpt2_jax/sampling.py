@@ -280,7 +280,6 @@ def sample_rows(keys: jax.Array, logits: jax.Array, settings: RowSettings, n_val
     return token.astype(jnp.int32)
 
 
-_sample_rows = sample_rows  # the former private name, still called by gpt2_jax/generate.py
 
 
 @functools.partial(jax.jit, static_argnames="n_valid")
