@@ -38,9 +38,23 @@ def gelu(x: jax.Array, approximate: bool) -> jax.Array:
     return jax.nn.gelu(x, approximate=approximate)
 
 
-def mlp(p: dict, x: jax.Array, config: GPT2Config) -> jax.Array:
+def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
+    """Inverted dropout: zero each element with probability rate, scale the rest by 1/(1-rate).
+    key None (inference) means no dropout at all."""
+    if key is None or rate == 0.0:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0.0)
+
+
+def _split(key: jax.Array | None, n: int) -> list:
+    return [None] * n if key is None else list(jax.random.split(key, n))
+
+
+def mlp(p: dict, x: jax.Array, config: GPT2Config, key: jax.Array | None = None) -> jax.Array:
     """[B, T, D] -> [B, T, D]: c_fc (D->F), GELU, c_proj (F->D); each position on its own."""
-    return linear(p["c_proj"], gelu(linear(p["c_fc"], x), config.gelu_approximate))
+    y = linear(p["c_proj"], gelu(linear(p["c_fc"], x), config.gelu_approximate))
+    return dropout(y, config.resid_pdrop, key)
 
 
 def attn_scale(config: GPT2Config, layer: jax.Array | int) -> jax.Array:
@@ -65,7 +79,8 @@ def merge_heads(x: jax.Array) -> jax.Array:
     return jnp.einsum("BHTK->BTHK", x).reshape(B, T, H * K)
 
 
-def attend(q: jax.Array, kv_blocks: list[tuple[jax.Array, jax.Array, jax.Array]], scale: jax.Array) -> jax.Array:
+def attend(q: jax.Array, kv_blocks: list[tuple[jax.Array, jax.Array, jax.Array]], scale: jax.Array,
+           key: jax.Array | None = None, rate: float = 0.0) -> jax.Array:
     """q [B, H, T, K] over blocks of (k [B, H, S, K], v [B, H, S, K], mask bool [B or 1, T, S]) -> [B, H, T, K].
 
     One softmax spans all blocks, so keys split between a cache and the new tokens need no
@@ -76,7 +91,7 @@ def attend(q: jax.Array, kv_blocks: list[tuple[jax.Array, jax.Array, jax.Array]]
         for k, _, mask in kv_blocks
     ]
     sizes = [s.shape[-1] for s in scores]
-    weights = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
+    weights = dropout(jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1), rate, key)
     parts = jnp.split(weights, list(itertools.accumulate(sizes))[:-1], axis=-1)
     return sum(
         jnp.einsum("BHTS,BHSK->BHTK", w.astype(v.dtype), v, preferred_element_type=F32)
@@ -89,15 +104,18 @@ def causal_mask(T: int) -> jax.Array:
     return jnp.tril(jnp.ones((T, T), bool))[None]
 
 
-def attention(p: dict, x: jax.Array, config: GPT2Config, scale: jax.Array) -> jax.Array:
-    """[B, T, D] -> [B, T, D]: causal multi-head self-attention, heads concatenated, then c_proj."""
+def attention(p: dict, x: jax.Array, config: GPT2Config, scale: jax.Array, key: jax.Array | None = None) -> jax.Array:
+    """[B, T, D] -> [B, T, D]: causal multi-head self-attention, heads concatenated, then c_proj.
+    With a key (training), dropout on the attention weights and on the output."""
+    k_attn, k_resid = _split(key, 2)
     q, k, v = qkv(p, x, config)
-    out = attend(q, [(k, v, causal_mask(x.shape[1]))], scale)
-    return linear(p["c_proj"], merge_heads(out))
+    out = attend(q, [(k, v, causal_mask(x.shape[1]))], scale, k_attn, config.attn_pdrop)
+    return dropout(linear(p["c_proj"], merge_heads(out)), config.resid_pdrop, k_resid)
 
 
-def block(p: dict, x: jax.Array, config: GPT2Config, scale: jax.Array) -> jax.Array:
-    """[B, T, D] -> [B, T, D]: pre-LN transformer block with residual connections."""
+def block(p: dict, x: jax.Array, config: GPT2Config, scale: jax.Array, key: jax.Array | None = None) -> jax.Array:
+    """[B, T, D] -> [B, T, D]: pre-LN transformer block with residual connections (dropout only with a key)."""
     eps = config.layer_norm_epsilon
-    x = x + attention(p["attn"], layer_norm(p["ln_1"], x, eps), config, scale)
-    return x + mlp(p["mlp"], layer_norm(p["ln_2"], x, eps), config)
+    k_attn, k_mlp = _split(key, 2)
+    x = x + attention(p["attn"], layer_norm(p["ln_1"], x, eps), config, scale, k_attn)
+    return x + mlp(p["mlp"], layer_norm(p["ln_2"], x, eps), config, k_mlp)
