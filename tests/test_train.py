@@ -1,0 +1,224 @@
+"""Training: loss and gradients vs transformers, overfitting, dropout, accumulation, resume, data, bad input."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import gpt2_jax
+from gpt2_jax.cli import main
+from gpt2_jax.data import DataError, TokenData, prepare
+from gpt2_jax.errors import ConfigError, GPT2JaxError
+from gpt2_jax.train import Hyper, decay_mask, init_state, loss_fn, make_optimizer, make_train_step
+from gpt2_jax.trainer import train
+from tests.reference import make_hf_model, rel_err
+
+SHAPE = dict(n_layer=2, n_head=3, n_embd=48, vocab_size=101, n_positions=32)
+TINY = gpt2_jax.GPT2Config(n_layer=1, n_head=2, n_embd=32, n_positions=64, embd_pdrop=0.0, attn_pdrop=0.0,
+                           resid_pdrop=0.0)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def hf_and_ours(tmp_path_factory):
+    model = make_hf_model(seed=31, **SHAPE)
+    path = tmp_path_factory.mktemp("m") / "hf"
+    model.save_pretrained(path)
+    return model, *gpt2_jax.load(path)
+
+
+def torch_grads(model, tokens):
+    model.zero_grad()
+    logits = model(torch.as_tensor(tokens[:, :-1], dtype=torch.long)).logits
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                             torch.as_tensor(tokens[:, 1:], dtype=torch.long).reshape(-1))
+    loss.backward()
+    return float(loss.detach()), {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
+
+
+def test_loss_and_every_gradient_match_transformers(hf_and_ours):
+    model, params, config = hf_and_ours
+    tokens = np.random.default_rng(0).integers(0, 101, (3, 21)).astype(np.int32)
+    ref_loss, ref = torch_grads(model, tokens)
+    loss, grads = jax.value_and_grad(loss_fn)(params, jnp.asarray(tokens), config)
+    assert abs(float(loss) - ref_loss) / ref_loss <= 1e-5
+    assert rel_err(grads["wte"], ref["transformer.wte.weight"]) <= 1e-4  # embedding + unembedding: tied
+    assert rel_err(grads["wpe"], ref["transformer.wpe.weight"]) <= 1e-4
+    assert rel_err(grads["ln_f"]["weight"], ref["transformer.ln_f.weight"]) <= 1e-4
+    assert rel_err(grads["ln_f"]["bias"], ref["transformer.ln_f.bias"]) <= 1e-4
+    checked = 4
+    for name, g in ref.items():
+        if not name.startswith("transformer.h."):
+            continue
+        _, _, layer, *rest = name.split(".")
+        ours = grads["h"]
+        for part in rest:
+            ours = ours[part]
+        assert rel_err(ours[int(layer)], g) <= 1e-4, name
+        checked += 1
+    assert checked == 4 + config.n_layer * 12
+
+
+def test_tied_wte_gradient_has_both_contributions(hf_and_ours):
+    _, params, config = hf_and_ours
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 50, (2, 9)), jnp.int32)  # ids < 50 only
+    g = jax.grad(loss_fn)(params, tokens, config)["wte"]
+    # rows never used as input still get gradient through the unembedding (logits = h @ wte.T)
+    assert float(jnp.abs(g[60:]).max()) > 0
+
+
+def test_tiny_model_overfits_one_batch():
+    config = gpt2_jax.GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=100, n_positions=32, embd_pdrop=0.0,
+                                 attn_pdrop=0.0, resid_pdrop=0.0)  # fmt: skip
+    batch = jnp.asarray(np.random.default_rng(2).integers(0, 100, (1, 4, 17)), jnp.int32)
+    optimizer = make_optimizer(Hyper(lr=1e-2, min_lr=1e-3, warmup=10, steps=150, weight_decay=0.0))
+    state = init_state(gpt2_jax.init_params(jax.random.key(0), config), optimizer)
+    step = make_train_step(config, optimizer)
+    first = None
+    for i in range(150):
+        state, m = step(state, batch, jax.random.key(i))
+        first = float(m["loss"]) if first is None else first
+    assert first > 4.0 and float(m["loss"]) < 0.05  # from ~log(100) to memorised
+
+
+def test_dropout_only_in_train_mode(hf_and_ours):
+    _, params, config = hf_and_ours
+    assert config.attn_pdrop == config.resid_pdrop == config.embd_pdrop == 0.1
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, 101, (2, 17)), jnp.int32)
+    eval1 = loss_fn(params, tokens, config)
+    assert float(eval1) == float(loss_fn(params, tokens, config, key=jax.random.key(0)))  # key ignored in eval
+    logits = gpt2_jax.forward(params, tokens[:, :-1], config)  # inference: no dropout
+    ref = -jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1).mean()
+    assert abs(float(eval1) - float(ref)) < 1e-6
+    a = loss_fn(params, tokens, config, key=jax.random.key(1), train=True)
+    b = loss_fn(params, tokens, config, key=jax.random.key(1), train=True)
+    c = loss_fn(params, tokens, config, key=jax.random.key(2), train=True)
+    assert float(a) == float(b) and float(a) != float(c) and float(a) != float(eval1)
+    no_drop = config.replace(embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0)
+    assert abs(float(loss_fn(params, tokens, no_drop, key=jax.random.key(1), train=True)) - float(eval1)) < 1e-6
+    with pytest.raises(ConfigError, match="needs a PRNG key"):
+        loss_fn(params, tokens, config, train=True)
+
+
+def test_accumulation_equals_one_big_batch(hf_and_ours):
+    _, params, config = hf_and_ours
+    config = config.replace(embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0)
+    optimizer = make_optimizer(Hyper(lr=1e-3, warmup=1, steps=10))
+    step = make_train_step(config, optimizer)
+    batch = jnp.asarray(np.random.default_rng(4).integers(0, 101, (4, 13)), jnp.int32)
+    big, m1 = step(init_state(params, optimizer), batch[None], jax.random.key(0))
+    acc, m2 = step(init_state(params, optimizer), batch.reshape(2, 2, 13), jax.random.key(0))
+    assert abs(float(m1["loss"]) - float(m2["loss"])) < 1e-6
+    for a, b in zip(jax.tree.leaves(big.params), jax.tree.leaves(acc.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
+def test_weight_decay_mask(hf_and_ours):
+    _, params, _ = hf_and_ours
+    mask = decay_mask(params)
+    assert mask["wte"] and not mask["wpe"]
+    assert mask["h"]["attn"]["c_attn"]["weight"] and mask["h"]["mlp"]["c_proj"]["weight"]
+    assert not mask["h"]["attn"]["c_attn"]["bias"] and not mask["h"]["ln_1"]["weight"] and not mask["ln_f"]["bias"]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    (root / "text").mkdir()
+    words = "to be or not to be that is the question whether tis nobler in the mind to suffer".split()
+    rng = np.random.default_rng(0)
+    for i in range(2):
+        (root / "text" / f"play{i}.txt").write_text(" ".join(rng.choice(words, 3000)))
+    prepare(root / "text", root / "prepared")
+    return root / "prepared"
+
+
+def test_prepared_data_and_keyed_batches(data_dir):
+    meta = json.loads((data_dir / "meta.json").read_text())
+    data = TokenData(data_dir)
+    assert meta["files"] == ["play0.txt", "play1.txt"]
+    assert len(data.splits["train"]) == meta["n_train"] and len(data.splits["val"]) == meta["n_val"]
+    assert data.splits["train"].dtype == np.uint16
+    a = data.batch("train", jax.random.key(0), 4, 16)
+    assert a.shape == (4, 17) and a.dtype == np.int32
+    np.testing.assert_array_equal(a, data.batch("train", jax.random.key(0), 4, 16))
+    assert (a != data.batch("train", jax.random.key(1), 4, 16)).any()
+    assert 0 < data.unigram_loss() < np.log(50257)
+
+
+def run_train(data_dir, out, steps, resume=False):
+    hyper = Hyper(lr=3e-3, warmup=2, steps=steps)
+    return train(str(data_dir), str(out), config=TINY, init="scratch", hyper=hyper, batch_size=4, block_size=16,
+                 eval_every=3, eval_batches=2, ckpt_every=3, resume=resume, progress=False)  # fmt: skip
+
+
+def test_resume_equals_uninterrupted_run(data_dir, tmp_path):
+    full = run_train(data_dir, tmp_path / "full", 6)
+    run_train(data_dir, tmp_path / "split", 3)
+    resumed = run_train(data_dir, tmp_path / "split", 6, resume=True)
+    assert resumed["loss"] == full["loss"] and resumed["val"] == full["val"]
+    assert len(full["loss"]) == 6 and (tmp_path / "full" / "loss.png").stat().st_size > 1000
+    params, config = gpt2_jax.load(tmp_path / "full" / "model")
+    assert config == TINY
+    with pytest.raises(GPT2JaxError, match="already holds checkpoints; pass --resume"):
+        run_train(data_dir, tmp_path / "full", 6)
+
+
+def test_train_cli_and_fine_tune(data_dir, tmp_path, capsys):
+    cfg = json.dumps(TINY.to_dict())
+    args = ["train", "--data", str(data_dir), "--config", cfg, "--out", str(tmp_path / "a"), "--steps", "4",
+            "--batch-size", "2", "--block-size", "16", "--warmup", "1", "--eval-every", "2", "--no-progress"]
+    assert main(args) == 0
+    assert "val loss" in capsys.readouterr().err
+    assert main(["train", "--data", str(data_dir), "--init", str(tmp_path / "a" / "model"), "--out",
+                 str(tmp_path / "b"), "--steps", "2", "--batch-size", "2", "--block-size", "16", "--warmup", "1",
+                 "--no-progress"]) == 0  # fmt: skip
+    code = main(["generate", "--model", str(tmp_path / "b" / "model"), "--prompt", "to be", "--max-new-tokens", "5"])
+    assert code == 0 and capsys.readouterr().out.startswith("to be")
+
+
+def test_bad_training_input(data_dir, tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="holds no .txt files"):
+        prepare(tmp_path / "empty", tmp_path / "p1")
+    (tmp_path / "blank").mkdir()
+    (tmp_path / "blank" / "a.txt").write_text("")
+    with pytest.raises(DataError, match="the text is empty"):
+        prepare(tmp_path / "blank", tmp_path / "p2")
+    (tmp_path / "short").mkdir()
+    (tmp_path / "short" / "a.txt").write_text("to be or not to be " * 5)
+    prepare(tmp_path / "short", tmp_path / "short_data")
+    base = ["train", "--config", json.dumps(TINY.to_dict()), "--steps", "2", "--batch-size", "2", "--no-progress"]
+    cases = [
+        (["--data", str(tmp_path / "short_data"), "--block-size", "32", "--out", str(tmp_path / "o1")],
+         "split has .* tokens, fewer than block_size \\+ 1 = 33"),
+        (["--data", str(data_dir), "--block-size", "16", "--out", str(tmp_path / "o2"), "--init",
+          str(tmp_path / "missing")], "no such file or directory"),
+        (["--data", str(tmp_path / "empty"), "--block-size", "16", "--out", str(tmp_path / "o3")],
+         "not a prepared data directory"),
+        (["--data", str(data_dir), "--block-size", "100", "--out", str(tmp_path / "o4")],
+         "--block-size 100 exceeds the model's context n_positions=64"),
+    ]  # fmt: skip
+    (tmp_path / "file").write_text("not a directory")
+    cases.append((["--data", str(data_dir), "--block-size", "16", "--out", str(tmp_path / "file" / "out")],
+                  "is not writable"))
+    for extra, message in cases:
+        assert main(base + extra) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and __import__("re").search(message, err), err
+    for out in ("o1", "o2", "o3", "o4"):  # nothing half-written
+        assert not (tmp_path / out / "checkpoints").exists() or not any((tmp_path / out / "checkpoints").iterdir())
+
+
+def test_init_config_mismatch(data_dir, tmp_path, capsys):
+    assert main(["train", "--data", str(data_dir), "--config", json.dumps(TINY.to_dict()), "--out",
+                 str(tmp_path / "a"), "--steps", "1", "--batch-size", "2", "--block-size", "16", "--warmup", "1",
+                 "--no-progress"]) == 0  # fmt: skip
+    capsys.readouterr()
+    other = TINY.replace(n_embd=64)
+    code = main(["train", "--data", str(data_dir), "--config", json.dumps(other.to_dict()), "--init",
+                 str(tmp_path / "a" / "model"), "--out", str(tmp_path / "b"), "--steps", "1", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--config does not match --init" in err and "'n_embd': (64, 32)" in err
