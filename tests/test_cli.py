@@ -106,3 +106,16 @@ def test_python_dash_m_entry_point(tmp_path):
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [f"error: {tmp_path / 'missing'}: no such file or directory "
                                                "(and not a HuggingFace hub id)"]  # fmt: skip
+
+
+def test_bundled_model_is_the_offline_default(capsys, monkeypatch):
+    from gpt2_jax.cli import BUNDLED_MODEL
+
+    size = sum(f.stat().st_size for f in BUNDLED_MODEL.rglob("*") if f.is_file())
+    assert size <= 16 * 2**20, f"bundled model is {size} bytes"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code, out, err = run(capsys, "generate", "--prompt", "ROMEO:", "--max-new-tokens", "20", "--temperature", "0")
+    assert code == 0 and out.startswith("ROMEO:") and len(out) > len("ROMEO:") + 20
+    assert SUMMARY.match(err.strip()), err
+    params, config = gpt2_jax.load(BUNDLED_MODEL)
+    assert config.vocab_size == 50257 and params["wte"].dtype == jax.numpy.bfloat16

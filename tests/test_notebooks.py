@@ -10,8 +10,9 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.i
 
 
 def test_there_are_notebooks():
-    assert [p.stem for p in NOTEBOOKS][:5] == [
+    assert [p.stem for p in NOTEBOOKS][:6] == [
         "01_architecture", "02_mlp_and_gelu", "03_attention_and_kv_cache", "04_sampling", "05_convert_and_generate",
+        "06_training",
     ]  # fmt: skip
 
 

@@ -222,3 +222,18 @@ def test_init_config_mismatch(data_dir, tmp_path, capsys):
                  str(tmp_path / "a" / "model"), "--out", str(tmp_path / "b"), "--steps", "1", "--no-progress"])
     err = capsys.readouterr().err
     assert code == 2 and "--config does not match --init" in err and "'n_embd': (64, 32)" in err
+
+
+def test_bundled_model_predicts_shakespeare():
+    """The shipped model is trained: a famous passage scores far below a random model's log V.
+    (Its val loss against the unigram baseline is computed in notebooks/06_training.)"""
+    from gpt2_jax.cli import BUNDLED_MODEL
+
+    params, config = gpt2_jax.load(BUNDLED_MODEL)
+    enc = gpt2_jax.tokenizer()
+    text = ("ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet is the sun. "
+            "Arise, fair sun, and kill the envious moon, who is already sick and pale with grief.")
+    tokens = jnp.asarray([enc.encode(text)], jnp.int32)
+    loss = float(loss_fn(params, tokens, config))
+    uniform = float(np.log(50257))
+    assert loss < uniform - 3.0, (loss, uniform)  # a random model scores about log V = 10.8
