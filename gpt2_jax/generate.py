@@ -20,7 +20,7 @@ from gpt2_jax.cache import KVCache, init_cache
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.model import forward_cached
 from gpt2_jax.params import Params
-from gpt2_jax.prompts import Batch, check_stop_args, make_batch, row_keys
+from gpt2_jax.prompts import Batch, check_stop_args, make_batch
 
 MAX_STOP_IDS = 8  # stop ids are padded to a fixed count so their number never changes a shape
 
@@ -120,7 +120,7 @@ def _prepare(config: GPT2Config, prompts: Any, key: jax.Array, max_new_tokens: i
     batch = make_batch(prompts, config, max_new_tokens)
     settings = sampling.row_settings(temperature, top_k, top_p, batch.tokens.shape[0])
     eos, stops = check_stop_args(eos_id, stop_ids, config, MAX_STOP_IDS)
-    return batch._replace(keys=row_keys(key, batch.tokens.shape[0])), settings, StopRule(eos, stops)
+    return batch._replace(keys=sampling.row_keys(key, batch.tokens.shape[0])), settings, StopRule(eos, stops)
 
 
 def generate(params: Params, config: GPT2Config, prompts: Any, key: jax.Array, *, max_new_tokens: int,

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from gpt2_jax.config import GPT2Config
@@ -68,20 +67,6 @@ def make_batch(prompts: Any, config: GPT2Config, max_new_tokens: int) -> Batch:
         tokens[b, P - len(p):] = p
     steps = bucket(int(max_new_tokens), config.n_positions)
     return Batch(tokens, P - lengths, None, P + steps, steps)
-
-
-def row_keys(key: Any, batch_size: int) -> jax.Array:
-    """One key (row b gets fold_in(key, b)) or one per row [B] -> [B] typed PRNG keys."""
-    key = jnp.asarray(key)
-    if not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
-        if key.dtype != jnp.uint32 or key.shape[-1:] != (2,):
-            raise ConfigError(f"key must be a jax.random.key (or legacy PRNGKey), got {key.dtype} {key.shape}")
-        key = jax.random.wrap_key_data(key)
-    if key.ndim == 0:
-        return jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.arange(batch_size))
-    if key.shape != (batch_size,):
-        raise ConfigError(f"key must be one PRNG key or one per row (shape ({batch_size},)), got shape {key.shape}")
-    return key
 
 
 def check_stop_args(eos_id: Any, stop_ids: Any, config: GPT2Config, max_stop: int) -> tuple[np.ndarray, np.ndarray]:

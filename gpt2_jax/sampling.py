@@ -288,10 +288,22 @@ def _probs_jit(logits: jax.Array, settings: RowSettings, n_valid: int | None) ->
 
 
 @functools.partial(jax.jit, static_argnames="n_valid")
-def _sample_jit(key: jax.Array, logits: jax.Array, settings: RowSettings, n_valid: int | None) -> jax.Array:
-    if key.ndim == 0:  # one key: row i uses fold_in(key, i), so its draw does not depend on B
-        key = jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.arange(logits.shape[0]))
-    return sample_rows(key, logits, settings, n_valid)
+def _sample_jit(keys: jax.Array, logits: jax.Array, settings: RowSettings, n_valid: int | None) -> jax.Array:
+    return sample_rows(keys, logits, settings, n_valid)
+
+
+def row_keys(key: Any, batch_size: int) -> jax.Array:
+    """One key (row b gets fold_in(key, b)) or one per row [B] -> [B] typed PRNG keys."""
+    key = jnp.asarray(key)
+    if not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        if key.dtype != jnp.uint32 or key.shape[-1:] != (2,):
+            raise ConfigError(f"key must be a jax.random.key (or legacy PRNGKey), got {key.dtype} {key.shape}")
+        key = jax.random.wrap_key_data(key)
+    if key.ndim == 0:
+        return jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.arange(batch_size))
+    if key.shape != (batch_size,):
+        raise ConfigError(f"key must be one PRNG key or one per row (shape ({batch_size},)), got shape {key.shape}")
+    return key
 
 
 def _check_logits(logits: jax.Array, n_valid: int | None) -> None:
@@ -316,8 +328,5 @@ def sample(
     """One PRNG key or one per row [B], logits [B, V] -> next tokens [B] int32."""
     logits = jnp.asarray(logits)
     _check_logits(logits, n_valid)
-    if not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
-        key = jax.random.wrap_key_data(key)  # legacy uint32 keys [2] or [B, 2]
-    if key.ndim > 1 or (key.ndim == 1 and key.shape[0] != logits.shape[0]):
-        raise ConfigError(f"key must be one PRNG key or one per row (shape ({logits.shape[0]},)), got {key.shape}")
-    return _sample_jit(key, logits, row_settings(temperature, top_k, top_p, logits.shape[0]), n_valid)
+    B = logits.shape[0]
+    return _sample_jit(row_keys(key, B), logits, row_settings(temperature, top_k, top_p, B), n_valid)
