@@ -36,6 +36,15 @@ def make_hf_model(
     return model
 
 
+def saved_and_loaded(model: transformers.GPT2LMHeadModel, tmp_path_factory) -> tuple:
+    """Save the model with save_pretrained and load it back with gpt2_jax -> (model, params, config)."""
+    import gpt2_jax
+
+    path = tmp_path_factory.mktemp("m") / "hf"
+    model.save_pretrained(path)
+    return model, *gpt2_jax.load(path)
+
+
 def hf_logits(model: transformers.GPT2LMHeadModel, tokens) -> np.ndarray:
     """float32 logits [B, T, V] of a transformers model."""
     with torch.no_grad():

@@ -13,7 +13,7 @@ import torch
 import gpt2_jax
 from gpt2_jax import CheckpointError, ConfigError, InputError
 from gpt2_jax.convert import main as convert_main
-from tests.reference import hf_state, make_hf_model, save_bin_dir
+from tests.reference import hf_state, make_hf_model, save_bin_dir, saved_and_loaded
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPE = dict(n_layer=2, n_head=2, n_embd=32, vocab_size=50, n_positions=16)
@@ -161,9 +161,7 @@ def test_cli_error_is_one_line(tmp_path):
 
 @pytest.fixture(scope="module")
 def loaded(model, tmp_path_factory):
-    path = tmp_path_factory.mktemp("m") / "hf"
-    model.save_pretrained(path)
-    return gpt2_jax.load(path)
+    return saved_and_loaded(model, tmp_path_factory)[1:]
 
 
 @pytest.mark.parametrize("bad", [50, -1, 10**6])

@@ -11,7 +11,7 @@ from gpt2_jax import ConfigError, InputError
 from gpt2_jax.cache import cache_bytes, init_cache
 from gpt2_jax.generate import _generate, generate, generate_stream
 from gpt2_jax.params import unstack_layers
-from tests.reference import hf_logits, make_hf_model
+from tests.reference import hf_logits, make_hf_model, saved_and_loaded
 
 SHAPE = dict(n_layer=2, n_head=3, n_embd=48, vocab_size=101, n_positions=64)
 PROMPTS = [[5, 17, 0, 42, 9, 33, 1], [0], [99, 3, 3, 3, 70, 0, 0, 12, 8, 64, 2, 50, 7, 7, 30, 11, 4], [23, 45, 67]]
@@ -19,11 +19,7 @@ PROMPTS = [[5, 17, 0, 42, 9, 33, 1], [0], [99, 3, 3, 3, 70, 0, 0, 12, 8, 64, 2, 
 
 @pytest.fixture(scope="module")
 def model_and_params(tmp_path_factory):
-    model = make_hf_model(seed=13, **SHAPE)
-    path = tmp_path_factory.mktemp("m") / "hf"
-    model.save_pretrained(path)
-    params, config = gpt2_jax.load(path)
-    return model, params, config
+    return saved_and_loaded(make_hf_model(seed=13, **SHAPE), tmp_path_factory)
 
 
 def hf_greedy(model, prompt, n):

@@ -9,17 +9,14 @@ import torch
 import gpt2_jax
 from gpt2_jax.layers import attn_scale, block, layer_norm, mlp
 from gpt2_jax.model import _forward, embed
-from tests.reference import hf_logits, make_hf_model, random_tokens, rel_err
+from tests.reference import hf_logits, make_hf_model, random_tokens, rel_err, saved_and_loaded
 
 SHAPE = dict(n_layer=2, n_head=3, n_embd=48, vocab_size=101, n_positions=64)
 
 
 @pytest.fixture(scope="module")
 def hf_and_ours(tmp_path_factory):
-    model = make_hf_model(seed=21, **SHAPE)
-    path = tmp_path_factory.mktemp("m") / "hf"
-    model.save_pretrained(path)
-    return model, *gpt2_jax.load(path)
+    return saved_and_loaded(make_hf_model(seed=21, **SHAPE), tmp_path_factory)
 
 
 def test_causality(hf_and_ours):

@@ -14,7 +14,7 @@ from gpt2_jax.data import DataError, TokenData, prepare
 from gpt2_jax.errors import ConfigError, GPT2JaxError
 from gpt2_jax.train import Hyper, decay_mask, init_state, loss_fn, make_optimizer, make_train_step
 from gpt2_jax.trainer import train
-from tests.reference import make_hf_model, rel_err
+from tests.reference import make_hf_model, rel_err, saved_and_loaded
 
 SHAPE = dict(n_layer=2, n_head=3, n_embd=48, vocab_size=101, n_positions=32)
 TINY = gpt2_jax.GPT2Config(n_layer=1, n_head=2, n_embd=32, n_positions=64, embd_pdrop=0.0, attn_pdrop=0.0,
@@ -23,10 +23,7 @@ TINY = gpt2_jax.GPT2Config(n_layer=1, n_head=2, n_embd=32, n_positions=64, embd_
 
 @pytest.fixture(scope="module")
 def hf_and_ours(tmp_path_factory):
-    model = make_hf_model(seed=31, **SHAPE)
-    path = tmp_path_factory.mktemp("m") / "hf"
-    model.save_pretrained(path)
-    return model, *gpt2_jax.load(path)
+    return saved_and_loaded(make_hf_model(seed=31, **SHAPE), tmp_path_factory)
 
 
 def torch_grads(model, tokens):
