@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from gpt2_jax.config import GPT2Config
+from gpt2_jax.sharding import constrain
 
 
 class KVCache(NamedTuple):
@@ -48,13 +49,14 @@ def cache_bytes(config: GPT2Config, batch: int, capacity: int, dtype=jnp.float32
 
 def init_cache(config: GPT2Config, start: jax.Array, capacity: int, dtype=jnp.float32,
                per_layer: bool = False) -> KVCache:
-    """An empty cache for len(start) rows and `capacity` slots, stacked or one array per layer."""
+    """An empty cache for len(start) rows and `capacity` slots, stacked or one array per layer.
+    On a mesh (see sharding.on_mesh) rows are split over "data" and heads over "model"."""
     shape = (start.shape[0], config.n_head, capacity, config.head_dim)
     if per_layer:
-        k = tuple(jnp.zeros(shape, dtype) for _ in range(config.n_layer))
-        v = tuple(jnp.zeros(shape, dtype) for _ in range(config.n_layer))
+        k = tuple(constrain(jnp.zeros(shape, dtype), "BHSK") for _ in range(config.n_layer))
+        v = tuple(constrain(jnp.zeros(shape, dtype), "BHSK") for _ in range(config.n_layer))
     else:
-        k = v = jnp.zeros((config.n_layer, *shape), dtype)
+        k = v = constrain(jnp.zeros((config.n_layer, *shape), dtype), "LBHSK")
     return KVCache(k, v, start.astype(jnp.int32), jnp.zeros((), jnp.int32))
 
 

@@ -11,7 +11,7 @@ import jax
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import CheckpointError
 from gpt2_jax.files import atomic_dir
-from gpt2_jax.params import Params, cast_params
+from gpt2_jax.params import Params, check_tree, init_params
 
 CONFIG_FILE = "gpt2_jax.json"
 PARAMS_DIR = "params"
@@ -45,16 +45,37 @@ def read_config(path: Path) -> GPT2Config:
         raise CheckpointError(f"{path / CONFIG_FILE}: invalid config ({e})") from None
 
 
-def restore(path: str | Path, dtype: Any = None) -> tuple[Params, GPT2Config]:
-    """Read a checkpoint written by save(); optionally cast the params to dtype."""
+def _error(path: Path, e: Exception) -> CheckpointError:
+    msg = str(e).splitlines()[0] if str(e) else ""
+    return CheckpointError(f"{path}: cannot restore ({type(e).__name__}: {msg})")
+
+
+def restore(path: str | Path, dtype: Any = None, mesh: Any = None) -> tuple[Params, GPT2Config]:
+    """Read a checkpoint written by save(), optionally cast to dtype. With a mesh, every device
+    reads only its own shards (orbax restores into the target sharding), so the model never has to
+    fit on one device; without, it lands on this process's first device."""
+    from jax.sharding import SingleDeviceSharding
+
+    from gpt2_jax.sharding import check_mesh, param_shardings
+
     path = Path(path).absolute()
     config = read_config(path)
     if not (path / PARAMS_DIR).is_dir():
         raise CheckpointError(f"{path}: has {CONFIG_FILE} but no {PARAMS_DIR}/ directory")
+    ckptr = _checkpointer()
     try:
-        params = _checkpointer().restore(path / PARAMS_DIR)
+        stored = ckptr.metadata(path / PARAMS_DIR).item_metadata.tree
     except Exception as e:
-        msg = str(e).splitlines()[0] if str(e) else ""
-        raise CheckpointError(f"{path / PARAMS_DIR}: cannot restore ({type(e).__name__}: {msg})") from None
-    params = jax.tree.map(lambda a: a, params)  # plain dicts, as the other loaders return
-    return (params if dtype is None else cast_params(params, dtype)), config
+        raise _error(path / PARAMS_DIR, e) from None
+    check_tree(stored, config, str(path / PARAMS_DIR))
+    if mesh is not None:
+        check_mesh(config, mesh)
+        shardings = param_shardings(stored, config, mesh)
+    else:
+        shardings = jax.tree.map(lambda _: SingleDeviceSharding(jax.local_devices()[0]), stored)
+    target = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, dtype or a.dtype, sharding=sh), stored, shardings)
+    try:
+        params = ckptr.restore(path / PARAMS_DIR, target)
+    except Exception as e:
+        raise _error(path / PARAMS_DIR, e) from None
+    return jax.tree.map(lambda a: a, params), config  # plain dicts, as the other loaders return

@@ -21,6 +21,7 @@ from gpt2_jax.config import GPT2Config
 from gpt2_jax.model import forward_cached
 from gpt2_jax.params import Params
 from gpt2_jax.prompts import Batch, check_stop_args, make_batch
+from gpt2_jax.sharding import constrain, data_size, mesh_of, on_mesh, replicate
 
 MAX_STOP_IDS = 8  # stop ids are padded to a fixed count so their number never changes a shape
 
@@ -31,7 +32,7 @@ class StopRule(NamedTuple):
 
 
 class DecodeState(NamedTuple):
-    cache: KVCache  # K/V of every layer [L, B, S, H, K], row starts [B], next slot []
+    cache: KVCache  # K/V of every layer [L, B, H, S, K] (or L x [B, H, S, K]), row starts [B], next slot []
     logits: jax.Array  # [B, V] float32: next-token logits of each row
     keys: jax.Array  # [B] PRNG keys, one per row
     positions: jax.Array  # [B] int32: absolute position of the token sampled next
@@ -50,6 +51,7 @@ class GenerateResult(NamedTuple):
 def prefill(params: Params, tokens: jax.Array, start: jax.Array, keys: jax.Array, config: GPT2Config,
             capacity: int) -> DecodeState:
     """Left-padded prompts [B, P] (row b starts at slot start[b]) -> the state before the first draw."""
+    tokens, start, keys = constrain(tokens, "BT"), constrain(start, "B"), constrain(keys, "B")  # rows over "data"
     cache = init_cache(config, start, capacity, params["wte"].dtype, isinstance(params["h"], (list, tuple)))
     logits, cache = forward_cached(params, tokens, cache, config, last_only=True, empty=True)
     B, P = tokens.shape
@@ -79,9 +81,11 @@ def _feed(params: Params, state: DecodeState, token: jax.Array, config: GPT2Conf
 @functools.partial(jax.jit, static_argnames=("config",))
 def decode_step(params: Params, state: DecodeState, settings: sampling.RowSettings, stop: StopRule,
                 config: GPT2Config) -> tuple[DecodeState, jax.Array, jax.Array]:
-    """One streaming step: draw tokens [B] (and their logprobs [B]), then feed them back."""
+    """One streaming step: draw tokens [B] (and their logprobs [B]), then feed them back.
+    On a mesh, the tokens, logprobs and done flags come back whole on every device (and process)."""
     state, token, logprob = _draw(state, settings, stop, config.valid_vocab)
-    return _feed(params, state, token, config), token, logprob
+    state = _feed(params, state, token, config)
+    return state._replace(done=replicate(state.done)), *replicate((token, logprob))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "capacity", "steps"))
@@ -111,16 +115,34 @@ def _generate(params: Params, tokens: jax.Array, start: jax.Array, keys: jax.Arr
     empty = (jnp.zeros((B, steps), jnp.int32), jnp.zeros((B, steps), jnp.float32))
     t, state, toks, logprobs = jax.lax.while_loop(running, step, (jnp.zeros((), jnp.int32), state, *empty))
     after = jnp.arange(steps)[None, :] >= t  # steps never drawn because every row had stopped
-    return jnp.where(after, state.fill[:, None], toks), jnp.where(after, 0.0, logprobs), state.lengths
+    # On a mesh the (small) results come back whole, so every process can read them.
+    return replicate((jnp.where(after, state.fill[:, None], toks), jnp.where(after, 0.0, logprobs), state.lengths))
+
+
+def _pad_rows(tree: Any, rows: int) -> Any:
+    """Repeat every leaf's last row until it has `rows` rows."""
+
+    def pad(a):
+        extra = rows - a.shape[0]
+        xp = np if isinstance(a, np.ndarray) else jnp
+        return a if extra == 0 else xp.concatenate([a] + [a[-1:]] * extra)
+
+    return jax.tree.map(pad, tree)
 
 
 def _prepare(config: GPT2Config, prompts: Any, key: jax.Array, max_new_tokens: int, temperature: Any,
-             top_k: Any, top_p: Any, eos_id: int | None, stop_ids: Any) -> tuple[Batch, sampling.RowSettings, StopRule]:
-    """Validate everything on the host, before anything is traced."""
+             top_k: Any, top_p: Any, eos_id: int | None, stop_ids: Any,
+             row_multiple: int = 1) -> tuple[Batch, sampling.RowSettings, StopRule]:
+    """Validate everything on the host, before anything is traced. A mesh's data axis must divide
+    the rows: copies of the last row fill up to a multiple of row_multiple (rows never affect each
+    other, so the caller just drops the copies' results)."""
     batch = make_batch(prompts, config, max_new_tokens)
-    settings = sampling.row_settings(temperature, top_k, top_p, batch.tokens.shape[0])
+    B = batch.tokens.shape[0]
+    settings = sampling.row_settings(temperature, top_k, top_p, B)
     eos, stops = check_stop_args(eos_id, stop_ids, config, MAX_STOP_IDS)
-    return batch._replace(keys=sampling.row_keys(key, batch.tokens.shape[0])), settings, StopRule(eos, stops)
+    rows = -(-B // row_multiple) * row_multiple
+    tokens, start, keys, settings = _pad_rows((batch.tokens, batch.start, sampling.row_keys(key, B), settings), rows)
+    return batch._replace(tokens=tokens, start=start, keys=keys), settings, StopRule(eos, stops)
 
 
 def generate(params: Params, config: GPT2Config, prompts: Any, key: jax.Array, *, max_new_tokens: int,
@@ -129,16 +151,19 @@ def generate(params: Params, config: GPT2Config, prompts: Any, key: jax.Array, *
     """Prompts (lists of token ids, ragged) -> GenerateResult(tokens [B, N], lengths [B], logprobs [B, N]).
 
     key: one PRNG key (row b uses fold_in(key, b)) or one key per row [B]. temperature, top_k,
-    top_p: scalars or per-row [B]. eos_id=None never stops on EOS; stop_ids adds more stop tokens."""
+    top_p: scalars or per-row [B]. eos_id=None never stops on EOS; stop_ids adds more stop tokens.
+    Params sharded with gpt2_jax.sharding run on their mesh and give the same tokens."""
+    mesh = mesh_of(params)
     batch, settings, stop = _prepare(config, prompts, key, max_new_tokens, temperature, top_k, top_p, eos_id,
-                                     stop_ids)
-    toks, logprobs, lengths = _generate(
-        params, batch.tokens, batch.start, batch.keys, settings, stop, jnp.int32(max_new_tokens), config,
-        batch.capacity, batch.steps,
-    )
-    n = max_new_tokens
+                                     stop_ids, data_size(mesh))
+    with on_mesh(mesh):
+        toks, logprobs, lengths = _generate(
+            params, batch.tokens, batch.start, batch.keys, settings, stop, jnp.int32(max_new_tokens), config,
+            batch.capacity, batch.steps,
+        )
+    B, n = batch.rows, max_new_tokens
     return GenerateResult(
-        np.asarray(toks)[:, :n], np.asarray(lengths), np.asarray(logprobs)[:, :n] if return_logprobs else None
+        np.asarray(toks)[:B, :n], np.asarray(lengths)[:B], np.asarray(logprobs)[:B, :n] if return_logprobs else None
     )
 
 
@@ -147,12 +172,17 @@ def generate_stream(params: Params, config: GPT2Config, prompts: Any, key: jax.A
                     stop_ids: Any = ()) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Like generate, one decode_step at a time: yields (tokens [B], live [B]) per step, where
     live marks the rows whose token is newly generated (the others have stopped and repeat EOS)."""
+    mesh = mesh_of(params)
     batch, settings, stop = _prepare(config, prompts, key, max_new_tokens, temperature, top_k, top_p, eos_id,
-                                     stop_ids)
-    state = prefill(params, batch.tokens, batch.start, batch.keys, config, batch.capacity)
+                                     stop_ids, data_size(mesh))
+    B = batch.rows
+    with on_mesh(mesh):
+        state = prefill(params, batch.tokens, batch.start, batch.keys, config, batch.capacity)
+    live = np.ones(B, bool)
     for _ in range(max_new_tokens):
-        live = ~np.asarray(state.done)
-        state, token, _ = decode_step(params, state, settings, stop, config)
-        yield np.asarray(token), live
-        if np.asarray(state.done).all():
+        with on_mesh(mesh):
+            state, token, _ = decode_step(params, state, settings, stop, config)
+        yield np.asarray(token)[:B], live
+        live = ~np.asarray(state.done)[:B]
+        if not live.any():
             return

@@ -12,8 +12,10 @@ import jax
 import jax.numpy as jnp
 
 from gpt2_jax.config import GPT2Config
+from gpt2_jax.sharding import constrain
 
 F32 = jnp.float32
+BF16 = jnp.bfloat16
 NEG_INF = jnp.finfo(F32).min  # finite, so a fully masked row gives a uniform softmax, never NaN
 
 
@@ -26,10 +28,14 @@ def layer_norm(p: dict, x: jax.Array, eps: float) -> jax.Array:
     return y + p["bias"].astype(F32) if "bias" in p else y
 
 
-def linear(p: dict, x: jax.Array) -> jax.Array:
-    """[..., in] @ W[in, out] (+ b) -> [..., out] float32."""
+def linear(p: dict, x: jax.Array, spec: str = "...i,io->...o") -> jax.Array:
+    """[..., in] @ W[in, out] (+ b) -> [..., out] float32 (spec: the einsum, for weights of other ranks).
+    An int8 weight (gpt2_jax.precision) is used as bfloat16, its per-column scale applied to the result."""
     w = p["weight"]
-    y = jnp.einsum("...i,io->...o", x.astype(w.dtype), w, preferred_element_type=F32)
+    if "scale" in p:
+        y = jnp.einsum(spec, x.astype(BF16), w.astype(BF16), preferred_element_type=F32) * p["scale"]
+    else:
+        y = jnp.einsum(spec, x.astype(w.dtype), w, preferred_element_type=F32)
     return y + p["bias"].astype(F32) if "bias" in p else y
 
 
@@ -53,7 +59,8 @@ def _split(key: jax.Array | None, n: int) -> list:
 
 def mlp(p: dict, x: jax.Array, config: GPT2Config, key: jax.Array | None = None) -> jax.Array:
     """[B, T, D] -> [B, T, D]: c_fc (D->F), GELU, c_proj (F->D); each position on its own."""
-    y = linear(p["c_proj"], gelu(linear(p["c_fc"], x), config.gelu_approximate))
+    hidden = constrain(gelu(linear(p["c_fc"], x), config.gelu_approximate), "BTF")  # F split on a mesh
+    y = constrain(linear(p["c_proj"], hidden), "BTD")  # on a mesh: the all-reduce of the row-split c_proj
     return dropout(y, config.resid_pdrop, key)
 
 
@@ -66,10 +73,11 @@ def attn_scale(config: GPT2Config, layer: jax.Array | int) -> jax.Array:
 
 
 def qkv(p: dict, x: jax.Array, config: GPT2Config) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """[B, T, D] -> q, k, v each [B, H, T, K] (head-major, the KV cache's layout), from the fused c_attn."""
+    """[B, T, D] -> q, k, v each [B, H, T, K] (head-major, the KV cache's layout), from the fused c_attn
+    (weight [D, 3, D]: C = q|k|v, E = H x K)."""
     B, T, _ = x.shape
-    fused = linear(p["c_attn"], x).reshape(B, T, 3, config.n_head, config.head_dim)  # [B, T, 3, H, K]
-    q, k, v = jnp.einsum("BTCHK->CBHTK", fused)
+    fused = linear(p["c_attn"], x, "BTD,DCE->BTCE").reshape(B, T, 3, config.n_head, config.head_dim)
+    q, k, v = (constrain(a, "BHTK") for a in jnp.einsum("BTCHK->CBHTK", fused))
     return q, k, v
 
 
@@ -110,7 +118,12 @@ def attention(p: dict, x: jax.Array, config: GPT2Config, scale: jax.Array, key: 
     k_attn, k_resid = _split(key, 2)
     q, k, v = qkv(p, x, config)
     out = attend(q, [(k, v, causal_mask(x.shape[1]))], scale, k_attn, config.attn_pdrop)
-    return dropout(linear(p["c_proj"], merge_heads(out)), config.resid_pdrop, k_resid)
+    return dropout(project_heads(p["c_proj"], out), config.resid_pdrop, k_resid)
+
+
+def project_heads(p: dict, heads: jax.Array) -> jax.Array:
+    """[B, H, T, K] -> [B, T, D]: heads concatenated, then c_proj (on a mesh: row-split, then all-reduced)."""
+    return constrain(linear(p, merge_heads(heads)), "BTD")
 
 
 def block(p: dict, x: jax.Array, config: GPT2Config, scale: jax.Array, key: jax.Array | None = None) -> jax.Array:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -49,14 +50,25 @@ def _read_file(path: Path, config: GPT2Config | None) -> tuple[dict[str, np.ndar
     return flat, config or hf.infer_config(flat, str(path))
 
 
-def load(path: str | Path, *, dtype: Any = None, config: GPT2Config | None = None) -> tuple[Params, GPT2Config]:
-    """Any supported checkpoint -> (params, config). dtype: keep the stored one (None), float32 or bfloat16."""
+def place(params: Params, config: GPT2Config, mesh: Any = None) -> Params:
+    """Host params -> device arrays: on the default device, or shard by shard on a mesh."""
+    if mesh is None:
+        return jax.tree.map(jnp.asarray, params)
+    from gpt2_jax.sharding import shard_params
+
+    return shard_params(params, config, mesh)
+
+
+def load(path: str | Path, *, dtype: Any = None, config: GPT2Config | None = None,
+         mesh: Any = None) -> tuple[Params, GPT2Config]:
+    """Any supported checkpoint -> (params, config). dtype: keep the stored one (None), float32 or bfloat16.
+    mesh (gpt2_jax.sharding.make_mesh): lay the params out on it, each device receiving only its shards."""
     path = Path(path)
     dtype = resolve_dtype(dtype)
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
     if checkpoint.is_checkpoint(path):
-        return checkpoint.restore(path, dtype)
+        return checkpoint.restore(path, dtype, mesh)
     if path.is_dir() and (path / "config.json").is_file():
         source = hf.weight_file(path)
         flat, found = hf.read_dir(path)
@@ -69,4 +81,4 @@ def load(path: str | Path, *, dtype: Any = None, config: GPT2Config | None = Non
         source = path
         flat, found = _read_file(path, config)
     config = config or found
-    return from_flat(flat, config, str(source), dtype), config
+    return place(from_flat(flat, config, str(source), dtype), config, mesh), config

@@ -13,9 +13,10 @@ from gpt2_jax.cache import KVCache, key_mask, write
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import InputError
 from gpt2_jax.layers import (
-    F32, attend, attn_scale, block, causal_mask, dropout, layer_norm, linear, merge_heads, mlp, qkv,
+    F32, attend, attn_scale, block, causal_mask, dropout, layer_norm, mlp, project_heads, qkv,
 )  # fmt: skip
 from gpt2_jax.params import Params
+from gpt2_jax.sharding import constrain, mesh_of, on_mesh
 
 
 def embed(params: Params, tokens: jax.Array, positions: jax.Array) -> jax.Array:
@@ -51,7 +52,8 @@ def run_blocks(params: Params, x: jax.Array, config: GPT2Config, key: jax.Array 
 def apply(params: Params, tokens: jax.Array, config: GPT2Config, key: jax.Array | None = None) -> jax.Array:
     """tokens [B, T] -> logits [B, T, V], unjitted and unchecked. A key turns on dropout (training only)."""
     k_embd, k_blocks = (None, None) if key is None else jax.random.split(key)
-    x = dropout(embed(params, tokens, jnp.arange(tokens.shape[1])), config.embd_pdrop, k_embd)
+    x = constrain(embed(params, tokens, jnp.arange(tokens.shape[1])), "BTD")  # on a mesh: rows over "data"
+    x = dropout(x, config.embd_pdrop, k_embd)
     return unembed(params, run_blocks(params, x, config, k_blocks), config)
 
 
@@ -85,7 +87,8 @@ def forward(params: Params, tokens, config: GPT2Config) -> jax.Array:
     """tokens int32 [B, T] -> logits float32 [B, T, V]. jit-compiled; no dropout."""
     tokens = tokens if isinstance(tokens, jax.Array) else np.asarray(tokens)
     check_tokens(tokens, config)
-    return _forward(params, jnp.asarray(tokens, jnp.int32), config)
+    with on_mesh(mesh_of(params)):  # sharded params: rows over "data", Megatron over "model"
+        return _forward(params, jnp.asarray(tokens, jnp.int32), config)
 
 
 def _cached_layer(p: dict, i, x: jax.Array, config: GPT2Config, kv_blocks) -> tuple[jax.Array, Any]:
@@ -95,7 +98,7 @@ def _cached_layer(p: dict, i, x: jax.Array, config: GPT2Config, kv_blocks) -> tu
     q, k, v = qkv(p["attn"], layer_norm(p["ln_1"], x, eps), config)
     blocks, kept = kv_blocks(k, v)
     out = attend(q, blocks, attn_scale(config, i))
-    x = x + linear(p["attn"]["c_proj"], merge_heads(out))
+    x = x + project_heads(p["attn"]["c_proj"], out)
     return x + mlp(p["mlp"], layer_norm(p["ln_2"], x, eps), config), kept
 
 
@@ -116,7 +119,7 @@ def forward_cached(params: Params, tokens: jax.Array, cache: KVCache, config: GP
     positions = jnp.maximum(slots[None, :] - cache.start[:, None], 0)  # [B, T]; left padding -> 0
     mine = slots[None, None, :] >= cache.start[:, None, None]
     new_mask = causal_mask(T) & mine  # [B, T, T]: among the new tokens
-    x = embed(params, tokens, positions)
+    x = constrain(embed(params, tokens, positions), "BTD")
     if isinstance(params["h"], (list, tuple)):
         s = jnp.arange(cache.capacity)
         full_mask = (s[None, None, :] >= cache.start[:, None, None]) & (s[None, None, :] <= slots[None, :, None])

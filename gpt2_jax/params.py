@@ -4,7 +4,7 @@
       "wte": [V, D], "wpe": [P, D],
       "h": {                                   # every leaf has a leading L axis
         "ln_1": {"weight": [L, D], "bias": [L, D]},
-        "attn": {"c_attn": {"weight": [L, D, 3D], "bias": [L, 3D]},
+        "attn": {"c_attn": {"weight": [L, D, 3, D], "bias": [L, 3, D]},  # q | k | v
                  "c_proj": {"weight": [L, D, D],  "bias": [L, D]}},
         "ln_2": {"weight": [L, D], "bias": [L, D]},
         "mlp":  {"c_fc":   {"weight": [L, D, F],  "bias": [L, F]},
@@ -14,7 +14,9 @@
     }
 
 Linear weights are stored [in, out], as HuggingFace's Conv1D stores them, so y = x @ W + b.
-Without biases (nanoGPT bias=False) the "bias" leaves are absent.
+c_attn's fused [D, 3D] is kept as [D, 3, D] (a free reshape of the checkpoint's tensor): q, k and v
+side by side, each with its heads concatenated, so a mesh can split every one of them by heads
+(see gpt2_jax.sharding). Without biases (nanoGPT bias=False) the "bias" leaves are absent.
 """
 
 from __future__ import annotations
@@ -47,6 +49,16 @@ def layer_shapes(config: GPT2Config) -> dict[str, tuple[int, ...]]:
         "mlp.c_proj.weight": (f, d), "mlp.c_proj.bias": (d,),
     }  # fmt: skip
     return {k: s for k, s in shapes.items() if config.bias or not k.endswith(".bias")}
+
+
+def tree_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A block tensor's shape in the params pytree, from its checkpoint shape: only c_attn differs,
+    its 3D output axis split into (3, D) = (q|k|v, heads x head_dim)."""
+    if name == "attn.c_attn.weight":
+        return (shape[0], 3, shape[1] // 3)
+    if name == "attn.c_attn.bias":
+        return (3, shape[0] // 3)
+    return shape
 
 
 def flat_shapes(config: GPT2Config) -> dict[str, tuple[int, ...]]:
@@ -94,26 +106,50 @@ def check_flat(flat: Mapping[str, Any], config: GPT2Config, source: str) -> None
             raise CheckpointError(f"{source}: tensor {key} has shape {got}, expected {shape}")
 
 
+def dotted(path) -> str:
+    """A pytree key path -> its dotted name (h.attn.c_attn.weight)."""
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def check_tree(shapes: Any, config: GPT2Config, source: str) -> None:
+    """Raise CheckpointError unless a (stacked) params pytree, of arrays or shape metadata, has exactly
+    the leaves and shapes that config implies; the message names the first difference."""
+    want = {dotted(p): tuple(a.shape) for p, a in jax.tree_util.tree_flatten_with_path(
+        jax.eval_shape(lambda: init_params(jax.random.key(0), config)))[0]}  # fmt: skip
+    got = {dotted(p): tuple(a.shape) for p, a in jax.tree_util.tree_flatten_with_path(shapes)[0]}
+    missing, unexpected = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+    if missing or unexpected:
+        what = f"missing {_listing(missing)}" if missing else f"unexpected {_listing(unexpected)}"
+        raise CheckpointError(f"{source}: {what} for the {config.n_layer}-layer config beside it")
+    for name, shape in want.items():
+        if got[name] != shape:
+            hint = " (a layout older than gpt2_jax 0.2: convert the source checkpoint again)" if "c_attn" in name else ""
+            raise CheckpointError(f"{source}: {name} has shape {got[name]}, expected {shape}{hint}")
+
+
 def from_flat(flat: Mapping[str, np.ndarray], config: GPT2Config, source: str, dtype: Any = None) -> Params:
-    """Checked flat {name: array} -> params pytree with the block tensors stacked on L."""
+    """Checked flat {name: array} -> params pytree of host (numpy) arrays, block tensors stacked on L.
+    Nothing is put on a device yet: loading.place does that, whole or sharded."""
     check_flat(flat, config, source)
     cast = (lambda a: np.asarray(a)) if dtype is None else (lambda a: np.asarray(a).astype(dtype))
     params: Params = {"h": {}}
     for name, key in _EMBEDDINGS.items():
         params[key] = cast(flat[name])
-    for name in layer_shapes(config):
-        _set(params["h"], name, cast(np.stack([flat[f"h.{i}.{name}"] for i in range(config.n_layer)])))
+    for name, shape in layer_shapes(config).items():
+        stacked = np.stack([np.asarray(flat[f"h.{i}.{name}"]).reshape(tree_shape(name, shape))
+                            for i in range(config.n_layer)])  # fmt: skip
+        _set(params["h"], name, cast(stacked))
     for name in ("weight", "bias") if config.bias else ("weight",):
         _set(params, f"ln_f.{name}", cast(flat[f"ln_f.{name}"]))
-    return jax.tree.map(jnp.asarray, params)
+    return params
 
 
 def to_flat(params: Params, config: GPT2Config) -> dict[str, np.ndarray]:
-    """Params pytree -> flat {h.{i}.name: array} with the layer axis unstacked (numpy, host)."""
+    """Params pytree -> flat {h.{i}.name: array} in checkpoint shapes, layer axis unstacked (numpy, host)."""
     flat = {name: np.asarray(params[key]) for name, key in _EMBEDDINGS.items()}
-    for name in layer_shapes(config):
-        stacked = np.asarray(_get(params["h"], name))
-        flat.update({f"h.{i}.{name}": stacked[i] for i in range(config.n_layer)})
+    for name, shape in layer_shapes(config).items():
+        stacked = np.asarray(_get(stack_layers(params)["h"], name))
+        flat.update({f"h.{i}.{name}": stacked[i].reshape(shape) for i in range(config.n_layer)})
     for name in ("weight", "bias") if config.bias else ("weight",):
         flat[f"ln_f.{name}"] = np.asarray(params["ln_f"][name])
     return flat
@@ -128,7 +164,7 @@ def init_params(key: jax.Array, config: GPT2Config, dtype: Any = jnp.float32) ->
     params: Params = {"h": {}}
     for name, shape in shapes.items():
         layer = name.startswith("h.0.")
-        full = (config.n_layer, *shape) if layer else shape
+        full = (config.n_layer, *tree_shape(name[len("h.0."):], shape)) if layer else shape
         if name.startswith(("ln_", "h.0.ln_")):
             value = jnp.ones(full, dtype) if name.endswith("weight") else jnp.zeros(full, dtype)
         elif name.endswith("bias"):

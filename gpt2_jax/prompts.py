@@ -19,6 +19,7 @@ class Batch(NamedTuple):
     keys: Any  # [B] PRNG keys
     capacity: int  # S = P + steps, the cache size
     steps: int  # N, decode steps compiled (max_new_tokens rounded up)
+    rows: int  # the caller's prompts; rows beyond (padding for a mesh) are copies of the last one
 
 
 def bucket(n: int, cap: int) -> int:
@@ -66,7 +67,7 @@ def make_batch(prompts: Any, config: GPT2Config, max_new_tokens: int) -> Batch:
     for b, p in enumerate(rows):
         tokens[b, P - len(p):] = p
     steps = bucket(int(max_new_tokens), config.n_positions)
-    return Batch(tokens, P - lengths, None, P + steps, steps)
+    return Batch(tokens, P - lengths, None, P + steps, steps, len(rows))
 
 
 def check_stop_args(eos_id: Any, stop_ids: Any, config: GPT2Config, max_stop: int) -> tuple[np.ndarray, np.ndarray]:

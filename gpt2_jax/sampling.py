@@ -235,9 +235,12 @@ def sample_rows(keys: jax.Array, logits: jax.Array, settings: RowSettings, n_val
         def window():
             # [B, C] descending; everything outside the window is <= vals[:, -1]. The barrier keeps XLA
             # from folding later slices into top_k's, which turns it back into a full sort of V (~60x slower).
-            vals, idx = jax.lax.optimization_barrier(jax.lax.top_k(scaled, c))
             # Greedy rows are top-1 with lowest-index tie-break: their max must not tie past the window.
+            # (kk rides through the barrier too: a barrier over exactly top_k's two outputs becomes a
+            # barrier over the top_k tuple itself once partitioned for a mesh, which crashes XLA's
+            # TopkDecomposer: "optimization_barrier ... cannot be downcasted to GetTupleElement".)
             kk = jnp.clip(jnp.where(greedy, 1, k), 1, c)
+            vals, idx, kk = jax.lax.optimization_barrier((*jax.lax.top_k(scaled, c), kk))
             kth = jnp.take_along_axis(vals, (kk - 1)[:, None], axis=-1)  # [B, 1]: the k-th largest value
             # Every value >= kth must be inside the window: the C-th value strictly below the k-th.
             fits = jnp.bool_(True) if c == v else jnp.all(vals[:, -1:] < kth)

@@ -18,6 +18,7 @@ from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import ConfigError
 from gpt2_jax.model import apply
 from gpt2_jax.params import Params
+from gpt2_jax.sharding import constrain, mesh_of, on_mesh
 
 _DECAYED = ("c_attn", "c_proj", "c_fc")
 
@@ -45,6 +46,7 @@ def loss_fn(params: Params, tokens: jax.Array, config: GPT2Config, *, key: jax.A
     Dropout (config's embd/attn/resid rates) only when train=True, driven by key."""
     if train and key is None:
         raise ConfigError("loss_fn(train=True) needs a PRNG key for dropout")
+    tokens = constrain(tokens, "BT")  # on a mesh: data parallel, each "data" slice takes its rows
     logits = apply(params, tokens[:, :-1], config, key if train else None)
     logp = jax.nn.log_softmax(logits, axis=-1)
     return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1).mean()
@@ -75,13 +77,15 @@ def init_state(params: Params, optimizer: optax.GradientTransformation) -> Train
 
 def make_train_step(config: GPT2Config, optimizer: optax.GradientTransformation):
     """A jitted (state, batch [A, B, T+1], key) -> (state, {loss, grad_norm}): A micro-batches are
-    accumulated (mean gradient) before one optimizer update; micro-batch a's dropout uses fold_in(key, a)."""
+    accumulated (mean gradient) before one optimizer update; micro-batch a's dropout uses fold_in(key, a).
+    A state whose params are sharded (gpt2_jax.sharding) trains on their mesh: every process passes
+    the same global batch, each "data" slice computes its rows, gradients are all-reduced."""
 
     def grads_of(params, tokens, key):
         return jax.value_and_grad(loss_fn)(params, tokens, config, key=key, train=True)
 
     @jax.jit
-    def train_step(state: TrainState, batch: jax.Array, key: jax.Array):
+    def jitted(state: TrainState, batch: jax.Array, key: jax.Array):
         def micro(acc, a):
             loss, grads = grads_of(state.params, batch[a], jax.random.fold_in(key, a))
             return jax.tree.map(jnp.add, acc, (loss, grads)), None
@@ -95,6 +99,10 @@ def make_train_step(config: GPT2Config, optimizer: optax.GradientTransformation)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
         return TrainState(state.step + 1, params, opt_state), metrics
 
+    def train_step(state: TrainState, batch: Any, key: jax.Array):
+        with on_mesh(mesh_of(state.params)):
+            return jitted(state, batch, key)
+
     return train_step
 
 
@@ -105,4 +113,5 @@ def _eval_loss(params: Params, tokens: jax.Array, config: GPT2Config) -> jax.Arr
 
 def eval_loss(params: Params, batches: jax.Array, config: GPT2Config) -> float:
     """Mean loss (no dropout) over batches [N, B, T+1]."""
-    return float(jnp.mean(jnp.stack([_eval_loss(params, b, config) for b in batches])))
+    with on_mesh(mesh_of(params)):
+        return float(jnp.mean(jnp.stack([_eval_loss(params, b, config) for b in batches])))

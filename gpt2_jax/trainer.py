@@ -22,6 +22,7 @@ from gpt2_jax.config import PRESETS, GPT2Config
 from gpt2_jax.data import TokenData
 from gpt2_jax.errors import ConfigError, GPT2JaxError
 from gpt2_jax.params import Params, init_params, stack_layers
+from gpt2_jax.sharding import onto_mesh, shard_params
 from gpt2_jax.train import Hyper, TrainState, eval_loss, init_state, make_optimizer, make_train_step
 
 
@@ -72,8 +73,10 @@ def _manager(out: Path):
 
 def train(data: str, out: str, *, config: GPT2Config | None, init: str, hyper: Hyper, batch_size: int,
           block_size: int, accum: int = 1, seed: int = 0, eval_every: int = 100, eval_batches: int = 8,
-          ckpt_every: int = 200, resume: bool = False, progress: bool = True) -> dict[str, Any]:
-    """Train and return the history {"loss": [...], "val": [[step, loss], ...]}."""
+          ckpt_every: int = 200, resume: bool = False, progress: bool = True, mesh: Any = None) -> dict[str, Any]:
+    """Train and return the history {"loss": [...], "val": [[step, loss], ...]}. With a mesh
+    (gpt2_jax.sharding.make_mesh) params and optimizer state are sharded and each step is data-
+    and tensor-parallel; checkpoints are written shard by shard and restored into the same layout."""
     import orbax.checkpoint as ocp
 
     out_dir = Path(out)
@@ -84,9 +87,13 @@ def train(data: str, out: str, *, config: GPT2Config | None, init: str, hyper: H
     if block_size > config.n_positions:
         raise ConfigError(f"--block-size {block_size} exceeds the model's context n_positions={config.n_positions}")
     tokens.check_block_size(block_size)
+    if mesh is not None:
+        params = shard_params(params, config, mesh)  # AdamW's moments inherit this layout
     optimizer = make_optimizer(hyper)
     step_fn = make_train_step(config, optimizer)
     state = init_state(params, optimizer)
+    if mesh is not None:
+        state = onto_mesh(state, mesh)  # counters too: a resumed state must come back on the mesh
     manager = _manager(out_dir)
     history: dict[str, Any] = {"loss": [], "val": [], "unigram_val": tokens.unigram_loss()}
     if resume and manager.latest_step() is not None:

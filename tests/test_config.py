@@ -38,7 +38,7 @@ def test_init_params_count_and_no_bias_variant():
                    GPT2Config(n_layer=3, n_head=2, n_embd=32, vocab_size=50, n_positions=16, bias=False)):
         params = init_params(jax.random.key(0), config)
         assert sum(a.size for a in jax.tree.leaves(params)) == config.n_params
-        assert params["h"]["attn"]["c_attn"]["weight"].shape == (3, 32, 96)
+        assert params["h"]["attn"]["c_attn"]["weight"].shape == (3, 32, 3, 32)  # [L, D, q|k|v, D]
 
 
 def test_unknown_preset_lists_known_names():
