@@ -1,0 +1,67 @@
+"""Precision modes: int8 weight-only quantisation (exact rounding bounds), bf16 and int8 logits vs
+transformers' float32, int8 through generate, a mesh and the CLI."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gpt2_jax
+from gpt2_jax.cli import main
+from gpt2_jax.errors import ConfigError
+from gpt2_jax.generate import generate
+from gpt2_jax.precision import quantize, quantize_int8, with_precision
+from gpt2_jax.sharding import make_mesh, shard_params
+from tests.reference import hf_logits, make_hf_model, random_tokens, rel_err, saved_and_loaded
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return saved_and_loaded(make_hf_model(seed=81, n_layer=2, n_head=4, n_embd=64, vocab_size=211), tmp_path_factory)
+
+
+def test_quantize_rounds_each_column_to_its_nearest_step():
+    w = jax.random.normal(jax.random.key(0), (2, 48, 3, 16)) * jnp.arange(1, 17)  # columns of different scale
+    w = w.at[0, :, 1, 5].set(0.0)  # an all-zero column
+    q, scale = quantize(w)
+    assert q.dtype == jnp.int8 and scale.shape == (2, 3, 16)
+    assert int(jnp.abs(q.astype(jnp.int32)).max()) == 127  # every non-zero column uses the full range
+    err = jnp.abs(q * scale[:, None] - w)
+    assert bool(jnp.all(err <= scale[:, None] / 2 * (1 + 1e-6)))  # round to nearest: half a step at most
+    np.testing.assert_allclose(scale, jnp.abs(w).max(axis=1) / 127 + (jnp.abs(w).max(axis=1) == 0), rtol=1e-7)
+    assert not np.asarray(q[0, :, 1, 5]).any()
+
+
+def test_reduced_precision_logits_stay_close_to_transformers(model):
+    hf, params, config = model
+    tokens = random_tokens(config.vocab_size, (2, 32), seed=8)
+    ref = hf_logits(hf, tokens)
+    errors = {mode: rel_err(gpt2_jax.forward(with_precision(params, mode), tokens, config), ref)
+              for mode in ("float32", "bfloat16", "int8")}  # fmt: skip
+    assert errors["float32"] <= 1e-5
+    assert 1e-4 < errors["bfloat16"] <= 2e-2  # reduced, measurably, but close
+    assert errors["bfloat16"] < errors["int8"] <= 3e-2
+    q = quantize_int8(params)["h"]["mlp"]["c_fc"]
+    assert q["weight"].dtype == jnp.int8 and q["scale"].shape == (config.n_layer, config.mlp_dim)
+    with pytest.raises(ConfigError, match="precision 'fp8' is not one of float32, bfloat16, int8"):
+        with_precision(params, "fp8")
+
+
+def test_int8_generates_alike_on_one_device_and_a_mesh(model):
+    _, params, config = model
+    q = quantize_int8(params)
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+    one = generate(q, config, prompts, jax.random.key(1), max_new_tokens=10, temperature=0.0, eos_id=None)
+    sharded = shard_params(q, config, make_mesh(2, 4))
+    assert {s.data.shape for s in sharded["h"]["attn"]["c_attn"]["scale"].addressable_shards} == {
+        (config.n_layer, 3, config.n_embd // 4)}  # the scales split with their columns
+    many = generate(sharded, config, prompts, jax.random.key(1), max_new_tokens=10, temperature=0.0, eos_id=None)
+    np.testing.assert_array_equal(many.tokens, one.tokens)
+    fp32 = generate(params, config, prompts, jax.random.key(1), max_new_tokens=10, temperature=0.0, eos_id=None)
+    assert (one.tokens[:, :3] == fp32.tokens[:, :3]).all()  # greedy: the first tokens match float32's
+
+
+def test_cli_int8(capsys):
+    assert main(["generate", "--prompt", "ROMEO:", "--max-new-tokens", "8", "--dtype", "int8", "--seed", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("ROMEO:") and len(out) > len("ROMEO:\n") and "tokens/s" in err
