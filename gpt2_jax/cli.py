@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import io
 import sys
 import time
 from pathlib import Path
@@ -32,7 +33,10 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--num-samples", type=int, default=1)
     gen.add_argument("--stream", action="store_true", help="print text as it is generated")
-    gen.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="cast the weights")
+    gen.add_argument("--dtype", choices=["float32", "bfloat16", "int8"], default=None,
+                     help="cast the weights; int8 = weight-only int8 blocks, bfloat16 otherwise (gpt2_jax.precision)")
+    gen.add_argument("--mesh", help="run sharded over a device mesh, e.g. data=2,model=4 (see gpt2_jax.sharding)")
+    _distributed_args(gen)
     convert_mod.build_parser(sub.add_parser("convert", help="convert a checkpoint (see convert/convert_pytorch.py)"))
     _train_parser(sub.add_parser("train", help="train or fine-tune with AdamW"))
     data = sub.add_parser("data", help="prepare training data").add_subparsers(dest="data_command", required=True)
@@ -45,6 +49,14 @@ def _parser() -> argparse.ArgumentParser:
     shk.add_argument("--out", required=True)
     shk.add_argument("--force", action="store_true")
     return parser
+
+
+def _distributed_args(p: argparse.ArgumentParser) -> None:
+    group = p.add_argument_group("several processes/hosts (see gpt2_jax.distributed); every process runs "
+                                 "the same command with its own --process-id")  # fmt: skip
+    group.add_argument("--coordinator", help="HOST:PORT of process 0")
+    group.add_argument("--num-processes", type=int)
+    group.add_argument("--process-id", type=int)
 
 
 def _train_parser(p: argparse.ArgumentParser) -> None:
@@ -67,13 +79,16 @@ def _train_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--ckpt-every", type=int, default=200)
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    p.add_argument("--mesh", help="train sharded over this process's devices, e.g. data=2,model=4")
     p.add_argument("--no-progress", action="store_true")
 
 
 def _train(args: argparse.Namespace) -> int:
+    from gpt2_jax.sharding import parse_mesh
     from gpt2_jax.train import Hyper
     from gpt2_jax.trainer import parse_config, train
 
+    mesh = parse_mesh(args.mesh) if args.mesh else None
     config = parse_config(args.config) if args.config else None
     if config is not None and args.dropout is not None:
         config = config.replace(embd_pdrop=args.dropout, attn_pdrop=args.dropout, resid_pdrop=args.dropout)
@@ -82,7 +97,7 @@ def _train(args: argparse.Namespace) -> int:
     history = train(args.data, args.out, config=config, init=args.init, hyper=hyper, batch_size=args.batch_size,
                     block_size=args.block_size, accum=args.accum, seed=args.seed, eval_every=args.eval_every,
                     eval_batches=args.eval_batches, ckpt_every=args.ckpt_every, resume=args.resume,
-                    progress=not args.no_progress)  # fmt: skip
+                    progress=not args.no_progress, mesh=mesh)  # fmt: skip
     val = history["val"][-1][1] if history["val"] else float("nan")
     print(f"gpt2-jax: final train loss {history['loss'][-1]:.4f}, val loss {val:.4f}, unigram baseline "
           f"{history['unigram_val']:.4f}; model in {args.out}/model", file=sys.stderr)  # fmt: skip
@@ -125,55 +140,87 @@ def _summary(n_tokens: int, seconds: float, compile_s: float, cache_bytes: int) 
 
 def _generate(args: argparse.Namespace) -> int:
     from gpt2_jax.cache import cache_bytes
+    from gpt2_jax.distributed import initialize, is_main
+    from gpt2_jax.generate import _generate, _prepare
     from gpt2_jax.hub import resolve_model
     from gpt2_jax.loading import load
     from gpt2_jax.params import unstack_layers
-    from gpt2_jax.generate import _generate, _prepare
+    from gpt2_jax.precision import quantize_int8
+    from gpt2_jax.sharding import data_size, on_mesh, parse_mesh, shard_params
     from gpt2_jax.tokenizer import EOT, tokenizer
 
     if args.num_samples < 1:
         raise GPT2JaxError(f"--num-samples must be >= 1, got {args.num_samples}")
     if args.stream and args.num_samples != 1:
         raise GPT2JaxError("--stream prints one sample; use --num-samples 1")
+    out = sys.stdout
+    if args.coordinator or args.num_processes is not None or args.process_id is not None:
+        initialize(args.coordinator, args.num_processes, args.process_id)
+        out = _own_stdout()
+    mesh = parse_mesh(args.mesh) if args.mesh else None
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     enc = tokenizer()
     ids = enc.encode(prompt, allowed_special={"<|endoftext|>"}) or [EOT]  # an empty prompt starts from <|endoftext|>
     if args.model is None and not BUNDLED_MODEL.is_dir():
         raise GPT2JaxError(f"no --model given and the bundled model {BUNDLED_MODEL} is missing")
-    params, config = load(resolve_model(args.model) if args.model else BUNDLED_MODEL, dtype=args.dtype)
+    int8 = args.dtype == "int8"
+    params, config = load(resolve_model(args.model) if args.model else BUNDLED_MODEL,
+                          dtype="bfloat16" if int8 else args.dtype, mesh=mesh)  # fmt: skip
+    if int8:
+        params = quantize_int8(params)
+        params = shard_params(params, config, mesh) if mesh else params  # the scales' layout too
     params = unstack_layers(params)  # the fast decode layout (see model.forward_cached)
     eos = EOT if EOT < config.vocab_size else None
     batch, settings, stop = _prepare(config, [ids] * args.num_samples, jax.random.key(args.seed),
-                                         args.max_new_tokens, args.temperature, args.top_k, args.top_p, eos, ())
+                                     args.max_new_tokens, args.temperature, args.top_k, args.top_p, eos, (),
+                                     data_size(mesh))  # fmt: skip
     cache = cache_bytes(config, args.num_samples, batch.capacity, params["wte"].dtype)
-    if args.stream:
-        return _stream(params, config, batch, settings, stop, args, enc, cache)
-    t0 = time.perf_counter()
-    compiled = _generate.lower(params, batch.tokens, batch.start, batch.keys, settings, stop,
+    out = out if is_main() else io.StringIO()  # every process computes; process 0 prints
+    with on_mesh(mesh):
+        if args.stream:
+            return _stream(params, config, batch, settings, stop, args, enc, cache, out)
+        t0 = time.perf_counter()
+        compiled = _generate.lower(params, batch.tokens, batch.start, batch.keys, settings, stop,
                                    np.int32(args.max_new_tokens), config, batch.capacity, batch.steps).compile()
-    t1 = time.perf_counter()
-    toks, _, lengths = compiled(params, batch.tokens, batch.start, batch.keys, settings, stop,
-                                np.int32(args.max_new_tokens))
-    toks, lengths = np.asarray(toks), np.asarray(lengths)
+        t1 = time.perf_counter()
+        toks, _, lengths = compiled(params, batch.tokens, batch.start, batch.keys, settings, stop,
+                                    np.int32(args.max_new_tokens))
+        toks, lengths = np.asarray(toks)[: batch.rows], np.asarray(lengths)[: batch.rows]
     t2 = time.perf_counter()
     for b in range(args.num_samples):
         if args.num_samples > 1:
-            print(f"--- sample {b + 1} ---")
-        print(prompt + enc.decode([t for t in toks[b, : lengths[b]].tolist() if t != eos]))
-    _summary(int(lengths.sum()), t2 - t1, t1 - t0, cache)
+            print(f"--- sample {b + 1} ---", file=out)
+        print(prompt + enc.decode([t for t in toks[b, : lengths[b]].tolist() if t != eos]), file=out)
+    out.flush()
+    if is_main():
+        _summary(int(lengths.sum()), t2 - t1, t1 - t0, cache)
     return 0
 
 
-def _stream(params, config, batch, settings, stop, args, enc, cache) -> int:
+def _own_stdout():
+    """The generated text's own handle on stdout; file descriptor 1 then points at stderr, because the
+    gloo collectives print progress lines ("[Gloo] Rank 0 is connected ...") to it from C++."""
+    import os
+
+    sys.stdout.flush()
+    text = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    return text
+
+
+def _stream(params, config, batch, settings, stop, args, enc, cache, out) -> int:
+    from gpt2_jax.distributed import is_main
     from gpt2_jax.generate import decode_step, prefill
 
     t0 = time.perf_counter()
     run_prefill = prefill.lower(params, batch.tokens, batch.start, batch.keys, config, batch.capacity).compile()
-    state = jax.eval_shape(prefill, params, batch.tokens, batch.start, batch.keys, config, batch.capacity)
+    shapes = jax.eval_shape(prefill, params, batch.tokens, batch.start, batch.keys, config, batch.capacity)
+    state = jax.tree.map(lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), shapes,
+                         run_prefill.output_shardings)  # on a mesh: compile the step for prefill's layout
     run_step = decode_step.lower(params, state, settings, stop, config).compile()
     t1 = time.perf_counter()
-    out = TextStream(enc)
-    out.out.write(args.prompt if args.prompt is not None else "")
+    text = TextStream(enc, out)
+    out.write(args.prompt if args.prompt is not None else "")
     state = run_prefill(params, batch.tokens, batch.start, batch.keys)
     n = 0
     for _ in range(args.max_new_tokens):
@@ -181,10 +228,12 @@ def _stream(params, config, batch, settings, stop, args, enc, cache) -> int:
         t, n = int(np.asarray(token)[0]), n + 1
         if t == int(stop.eos_id):
             break
-        out.add(t)
+        text.add(t)
     t2 = time.perf_counter()
-    out.out.write("\n")
-    _summary(n, t2 - t1, t1 - t0, cache)
+    out.write("\n")
+    out.flush()
+    if is_main():
+        _summary(n, t2 - t1, t1 - t0, cache)
     return 0
 
 
