@@ -138,15 +138,30 @@ def _summary(n_tokens: int, seconds: float, compile_s: float, cache_bytes: int) 
           f"KV cache {size}", file=sys.stderr)  # fmt: skip
 
 
-def _generate(args: argparse.Namespace) -> int:
-    from gpt2_jax.cache import cache_bytes
-    from gpt2_jax.distributed import initialize, is_main
-    from gpt2_jax.generate import _generate, _prepare
+def _load_model(args: argparse.Namespace, mesh):
+    """--model (default: the bundled one) in --dtype, on --mesh, in the fast decode layout."""
     from gpt2_jax.hub import resolve_model
     from gpt2_jax.loading import load
     from gpt2_jax.params import unstack_layers
     from gpt2_jax.precision import quantize_int8
-    from gpt2_jax.sharding import data_size, on_mesh, parse_mesh, shard_params
+    from gpt2_jax.sharding import shard_params
+
+    if args.model is None and not BUNDLED_MODEL.is_dir():
+        raise GPT2JaxError(f"no --model given and the bundled model {BUNDLED_MODEL} is missing")
+    int8 = args.dtype == "int8"
+    params, config = load(resolve_model(args.model) if args.model else BUNDLED_MODEL,
+                          dtype="bfloat16" if int8 else args.dtype, mesh=mesh)  # fmt: skip
+    if int8:
+        params = quantize_int8(params)
+        params = shard_params(params, config, mesh) if mesh else params  # the scales' layout too
+    return unstack_layers(params), config  # per-layer buffers decode faster (see model.forward_cached)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from gpt2_jax.cache import cache_bytes
+    from gpt2_jax.distributed import initialize, is_main
+    from gpt2_jax.generate import _generate, _prepare
+    from gpt2_jax.sharding import data_size, on_mesh, parse_mesh
     from gpt2_jax.tokenizer import EOT, tokenizer
 
     if args.num_samples < 1:
@@ -161,15 +176,7 @@ def _generate(args: argparse.Namespace) -> int:
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     enc = tokenizer()
     ids = enc.encode(prompt, allowed_special={"<|endoftext|>"}) or [EOT]  # an empty prompt starts from <|endoftext|>
-    if args.model is None and not BUNDLED_MODEL.is_dir():
-        raise GPT2JaxError(f"no --model given and the bundled model {BUNDLED_MODEL} is missing")
-    int8 = args.dtype == "int8"
-    params, config = load(resolve_model(args.model) if args.model else BUNDLED_MODEL,
-                          dtype="bfloat16" if int8 else args.dtype, mesh=mesh)  # fmt: skip
-    if int8:
-        params = quantize_int8(params)
-        params = shard_params(params, config, mesh) if mesh else params  # the scales' layout too
-    params = unstack_layers(params)  # the fast decode layout (see model.forward_cached)
+    params, config = _load_model(args, mesh)
     eos = EOT if EOT < config.vocab_size else None
     batch, settings, stop = _prepare(config, [ids] * args.num_samples, jax.random.key(args.seed),
                                      args.max_new_tokens, args.temperature, args.top_k, args.top_p, eos, (),

@@ -93,7 +93,7 @@ def leaf_spec(names: tuple[str, ...], ndim: int, config: GPT2Config, model: int)
     if names == ("wte",):
         return P("model", None) if model > 1 and config.vocab_size % model == 0 else P()
     axis = _MODEL_AXIS.get(names[-2:])
-    if axis is None or len(names) < 2:
+    if axis is None:
         return P()
     spec = [None] * ndim
     spec[axis] = "model"
