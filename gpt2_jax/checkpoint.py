@@ -11,7 +11,7 @@ import jax
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import CheckpointError
 from gpt2_jax.files import atomic_dir
-from gpt2_jax.params import Params, check_tree, init_params
+from gpt2_jax.params import Params, check_tree
 
 CONFIG_FILE = "gpt2_jax.json"
 PARAMS_DIR = "params"

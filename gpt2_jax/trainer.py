@@ -23,7 +23,7 @@ from gpt2_jax.data import TokenData
 from gpt2_jax.errors import ConfigError, GPT2JaxError
 from gpt2_jax.params import Params, init_params, stack_layers
 from gpt2_jax.sharding import onto_mesh, shard_params
-from gpt2_jax.train import Hyper, TrainState, eval_loss, init_state, make_optimizer, make_train_step
+from gpt2_jax.train import Hyper, eval_loss, init_state, make_optimizer, make_train_step
 
 
 def parse_config(spec: str) -> GPT2Config:
