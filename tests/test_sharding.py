@@ -128,6 +128,11 @@ def test_each_device_holds_its_share(model):
                         jax.random.split(jax.random.key(0), 4), config, 32)  # fmt: skip
     k0 = state.cache.k[0]  # [B, H, S, K]
     assert {s.data.shape for s in k0.addressable_shards} == {(2, config.n_head // 4, 32, config.head_dim)}
+    with on_mesh(mesh):  # stacked params: one [L, B, H, S, K] cache
+        state = prefill(sharded, np.zeros((4, 16), np.int32), np.zeros(4, np.int32),
+                        jax.random.split(jax.random.key(0), 4), config, 32)  # fmt: skip
+    L, H, K = config.n_layer, config.n_head, config.head_dim
+    assert {s.data.shape for s in state.cache.v.addressable_shards} == {(L, 2, H // 4, 32, K)}
 
 
 def _train_both(params, config, mesh_shape, optimizer, steps=2):
