@@ -27,7 +27,8 @@ def save(dst: str | Path, params: Params, config: GPT2Config, *, force: bool = F
     """Write params + config to dst atomically; an existing dst is replaced only with force=True."""
     dst = Path(dst).absolute()
     with atomic_dir(dst, force) as tmp:
-        (tmp / CONFIG_FILE).write_text(config.to_json())
+        if jax.process_index() == 0:  # with several processes: one config file, every process's shards
+            (tmp / CONFIG_FILE).write_text(config.to_json())
         ckptr = _checkpointer()
         ckptr.save(tmp / PARAMS_DIR, params)
         ckptr.wait_until_finished()

@@ -79,15 +79,28 @@ def _train_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--ckpt-every", type=int, default=200)
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
-    p.add_argument("--mesh", help="train sharded over this process's devices, e.g. data=2,model=4")
+    p.add_argument("--mesh", help="train sharded over a device mesh, e.g. data=2,model=4")
+    _distributed_args(p)
     p.add_argument("--no-progress", action="store_true")
 
 
+def _join(args: argparse.Namespace) -> bool:
+    """Join the other processes if --coordinator/--num-processes/--process-id say so; True if joined."""
+    from gpt2_jax.distributed import initialize
+
+    if args.coordinator is None and args.num_processes is None and args.process_id is None:
+        return False
+    initialize(args.coordinator, args.num_processes, args.process_id)
+    return True
+
+
 def _train(args: argparse.Namespace) -> int:
+    from gpt2_jax.distributed import is_main
     from gpt2_jax.sharding import parse_mesh
     from gpt2_jax.train import Hyper
     from gpt2_jax.trainer import parse_config, train
 
+    _join(args)
     mesh = parse_mesh(args.mesh) if args.mesh else None
     config = parse_config(args.config) if args.config else None
     if config is not None and args.dropout is not None:
@@ -99,8 +112,9 @@ def _train(args: argparse.Namespace) -> int:
                     eval_batches=args.eval_batches, ckpt_every=args.ckpt_every, resume=args.resume,
                     progress=not args.no_progress, mesh=mesh)  # fmt: skip
     val = history["val"][-1][1] if history["val"] else float("nan")
-    print(f"gpt2-jax: final train loss {history['loss'][-1]:.4f}, val loss {val:.4f}, unigram baseline "
-          f"{history['unigram_val']:.4f}; model in {args.out}/model", file=sys.stderr)  # fmt: skip
+    if is_main():
+        print(f"gpt2-jax: final train loss {history['loss'][-1]:.4f}, val loss {val:.4f}, unigram baseline "
+              f"{history['unigram_val']:.4f}; model in {args.out}/model", file=sys.stderr)  # fmt: skip
     return 0
 
 
@@ -159,7 +173,7 @@ def _load_model(args: argparse.Namespace, mesh):
 
 def _generate(args: argparse.Namespace) -> int:
     from gpt2_jax.cache import cache_bytes
-    from gpt2_jax.distributed import initialize, is_main
+    from gpt2_jax.distributed import is_main
     from gpt2_jax.generate import _generate, _prepare
     from gpt2_jax.sharding import data_size, on_mesh, parse_mesh
     from gpt2_jax.tokenizer import EOT, tokenizer
@@ -168,10 +182,7 @@ def _generate(args: argparse.Namespace) -> int:
         raise GPT2JaxError(f"--num-samples must be >= 1, got {args.num_samples}")
     if args.stream and args.num_samples != 1:
         raise GPT2JaxError("--stream prints one sample; use --num-samples 1")
-    out = sys.stdout
-    if args.coordinator or args.num_processes is not None or args.process_id is not None:
-        initialize(args.coordinator, args.num_processes, args.process_id)
-        out = _own_stdout()
+    out = _own_stdout() if _join(args) else sys.stdout
     mesh = parse_mesh(args.mesh) if args.mesh else None
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     enc = tokenizer()

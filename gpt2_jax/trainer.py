@@ -58,7 +58,7 @@ def initial_params(init: str, config: GPT2Config | None, key: jax.Array) -> tupl
 def _writable(out: Path) -> None:
     try:
         out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".write-test"
+        probe = out / f".write-test-{jax.process_index()}"
         probe.write_text("")
         probe.unlink()
     except OSError as e:
@@ -76,7 +76,9 @@ def train(data: str, out: str, *, config: GPT2Config | None, init: str, hyper: H
           ckpt_every: int = 200, resume: bool = False, progress: bool = True, mesh: Any = None) -> dict[str, Any]:
     """Train and return the history {"loss": [...], "val": [[step, loss], ...]}. With a mesh
     (gpt2_jax.sharding.make_mesh) params and optimizer state are sharded and each step is data-
-    and tensor-parallel; checkpoints are written shard by shard and restored into the same layout."""
+    and tensor-parallel; checkpoints are written shard by shard and restored into the same layout.
+    With several processes (gpt2_jax.distributed) every one runs this with the same arguments, on
+    one shared file system; process 0 writes history.json and loss.png."""
     import orbax.checkpoint as ocp
 
     out_dir = Path(out)
@@ -119,7 +121,7 @@ def train(data: str, out: str, *, config: GPT2Config | None, init: str, hyper: H
         if done % eval_every == 0 or done == hyper.steps:
             history["val"].append([done, eval_loss(state.params, val_batches, config)])
         if done % ckpt_every == 0 or done == hyper.steps:
-            manager.save(done, args=ocp.args.StandardSave(state))
+            manager.save(done, args=ocp.args.StandardSave(state))  # with several processes: each its shards
             manager.wait_until_finished()
             _write_json(out_dir / "history.json", history)
         bar.update(1)
@@ -128,11 +130,15 @@ def train(data: str, out: str, *, config: GPT2Config | None, init: str, hyper: H
     bar.close()
     checkpoint.save(out_dir / "model", state.params, config, force=True)
     _write_json(out_dir / "history.json", history)
-    plot_history(history, out_dir / "loss.png")
+    if jax.process_index() == 0:
+        plot_history(history, out_dir / "loss.png")
     return history
 
 
 def _write_json(path: Path, obj: Any) -> None:
+    """Atomically, from process 0 only (every process holds the same history)."""
+    if jax.process_index() != 0:
+        return
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(obj))
     os.replace(tmp, path)
@@ -141,6 +147,7 @@ def _write_json(path: Path, obj: Any) -> None:
 def _progress(start: int, total: int, enabled: bool):
     from tqdm import tqdm
 
+    enabled = enabled and jax.process_index() == 0
     return tqdm(total=total, initial=start, disable=not enabled, unit="step", dynamic_ncols=True)
 
 
