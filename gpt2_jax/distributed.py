@@ -11,7 +11,9 @@ tokens) can be read on every process; print them on process 0 only.
       --coordinator host0:1234 --num-processes 2 \\             --coordinator host0:1234 --num-processes 2 \\
       --process-id 0                                           --process-id 1
 
-Under SLURM, Open MPI or on Cloud TPU, initialize() with no arguments lets JAX find all three itself.
+`gpt2-jax train` takes the same three flags; its --out must be on a file system every host sees
+(each process writes its own shards of each checkpoint). Under SLURM, Open MPI or on Cloud TPU,
+initialize() with no arguments lets JAX find all three itself.
 """
 
 from __future__ import annotations
