@@ -15,17 +15,10 @@ import os
 import tempfile
 import time
 
+from timing import best_of  # bench/timing.py, beside this script
+
 PROMPT, NEW = 32, 128
 SAMPLED = dict(temperature=1.0, top_k=50, top_p=0.9)
-
-
-def best_of(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
 
 
 def measure_bandwidth(jnp, jax) -> float:

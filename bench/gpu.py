@@ -64,6 +64,7 @@ from gpt2_jax.config import GPT2Config  # noqa: E402
 from gpt2_jax.generate import generate  # noqa: E402
 from gpt2_jax.params import param_bytes, unstack_layers  # noqa: E402
 from gpt2_jax.precision import quantize_int8  # noqa: E402
+from timing import best_of  # noqa: E402  bench/timing.py, beside this script
 
 DATASHEET_BYTES_S = {"H200": 4.8e12}  # HBM bandwidth by device name fragment
 BOUND_TARGET = 1.5  # batch-1 decode within this factor of the measured bandwidth bound
@@ -133,16 +134,6 @@ class Steps:
             log(f"{label} FAILED: {type(e).__name__}: {e}")
             errors.append(f"{label}: {type(e).__name__}: {e}")
             return None
-
-
-def best_of(fn, repeats: int) -> float:
-    """Shortest wall time of repeats calls (each call returns host data, so it has finished)."""
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
 
 
 def timed(fn):

@@ -175,7 +175,7 @@ def _generate(args: argparse.Namespace) -> int:
     from gpt2_jax.cache import cache_bytes
     from gpt2_jax.distributed import is_main
     from gpt2_jax.generate import _generate, _prepare
-    from gpt2_jax.sharding import data_size, on_mesh, parse_mesh
+    from gpt2_jax.sharding import on_mesh, parse_mesh
     from gpt2_jax.tokenizer import EOT, tokenizer
 
     if args.num_samples < 1:
@@ -189,9 +189,9 @@ def _generate(args: argparse.Namespace) -> int:
     ids = enc.encode(prompt, allowed_special={"<|endoftext|>"}) or [EOT]  # an empty prompt starts from <|endoftext|>
     params, config = _load_model(args, mesh)
     eos = EOT if EOT < config.vocab_size else None
-    batch, settings, stop = _prepare(config, [ids] * args.num_samples, jax.random.key(args.seed),
-                                     args.max_new_tokens, args.temperature, args.top_k, args.top_p, eos, (),
-                                     data_size(mesh))  # fmt: skip
+    batch, settings, stop, mesh = _prepare(params, config, [ids] * args.num_samples, jax.random.key(args.seed),
+                                           args.max_new_tokens, args.temperature, args.top_k, args.top_p, eos,
+                                           ())  # fmt: skip
     cache = cache_bytes(config, args.num_samples, batch.capacity, params["wte"].dtype)
     out = out if is_main() else io.StringIO()  # every process computes; process 0 prints
     with on_mesh(mesh):

@@ -130,19 +130,21 @@ def _pad_rows(tree: Any, rows: int) -> Any:
     return jax.tree.map(pad, tree)
 
 
-def _prepare(config: GPT2Config, prompts: Any, key: jax.Array, max_new_tokens: int, temperature: Any,
-             top_k: Any, top_p: Any, eos_id: int | None, stop_ids: Any,
-             row_multiple: int = 1) -> tuple[Batch, sampling.RowSettings, StopRule]:
-    """Validate everything on the host, before anything is traced. A mesh's data axis must divide
-    the rows: copies of the last row fill up to a multiple of row_multiple (rows never affect each
-    other, so the caller just drops the copies' results)."""
+def _prepare(params: Params, config: GPT2Config, prompts: Any, key: jax.Array, max_new_tokens: int,
+             temperature: Any, top_k: Any, top_p: Any, eos_id: int | None,
+             stop_ids: Any) -> tuple[Batch, sampling.RowSettings, StopRule, Any]:
+    """Validate everything on the host, before anything is traced -> (batch, settings, stop rule, the
+    params' mesh or None). A mesh's data axis must divide the rows: copies of the last row fill up to
+    a multiple of it (rows never affect each other, so the caller just drops the copies' results)."""
+    mesh = mesh_of(params)
+    row_multiple = data_size(mesh)
     batch = make_batch(prompts, config, max_new_tokens)
     B = batch.tokens.shape[0]
     settings = sampling.row_settings(temperature, top_k, top_p, B)
     eos, stops = check_stop_args(eos_id, stop_ids, config, MAX_STOP_IDS)
     rows = -(-B // row_multiple) * row_multiple
     tokens, start, keys, settings = _pad_rows((batch.tokens, batch.start, sampling.row_keys(key, B), settings), rows)
-    return batch._replace(tokens=tokens, start=start, keys=keys), settings, StopRule(eos, stops)
+    return batch._replace(tokens=tokens, start=start, keys=keys), settings, StopRule(eos, stops), mesh
 
 
 def generate(params: Params, config: GPT2Config, prompts: Any, key: jax.Array, *, max_new_tokens: int,
@@ -153,9 +155,8 @@ def generate(params: Params, config: GPT2Config, prompts: Any, key: jax.Array, *
     key: one PRNG key (row b uses fold_in(key, b)) or one key per row [B]. temperature, top_k,
     top_p: scalars or per-row [B]. eos_id=None never stops on EOS; stop_ids adds more stop tokens.
     Params sharded with gpt2_jax.sharding run on their mesh and give the same tokens."""
-    mesh = mesh_of(params)
-    batch, settings, stop = _prepare(config, prompts, key, max_new_tokens, temperature, top_k, top_p, eos_id,
-                                     stop_ids, data_size(mesh))
+    batch, settings, stop, mesh = _prepare(params, config, prompts, key, max_new_tokens, temperature, top_k, top_p,
+                                           eos_id, stop_ids)  # fmt: skip
     with on_mesh(mesh):
         toks, logprobs, lengths = _generate(
             params, batch.tokens, batch.start, batch.keys, settings, stop, jnp.int32(max_new_tokens), config,
@@ -172,9 +173,8 @@ def generate_stream(params: Params, config: GPT2Config, prompts: Any, key: jax.A
                     stop_ids: Any = ()) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Like generate, one decode_step at a time: yields (tokens [B], live [B]) per step, where
     live marks the rows whose token is newly generated (the others have stopped and repeat EOS)."""
-    mesh = mesh_of(params)
-    batch, settings, stop = _prepare(config, prompts, key, max_new_tokens, temperature, top_k, top_p, eos_id,
-                                     stop_ids, data_size(mesh))
+    batch, settings, stop, mesh = _prepare(params, config, prompts, key, max_new_tokens, temperature, top_k, top_p,
+                                           eos_id, stop_ids)  # fmt: skip
     B = batch.rows
     with on_mesh(mesh):
         state = prefill(params, batch.tokens, batch.start, batch.keys, config, batch.capacity)

@@ -40,13 +40,16 @@ def quantize_int8(params: Params) -> Params:
     """bfloat16/float32 params -> int8 weight-only params (stacked layers): every block matmul's
     {"weight"} becomes {"weight": int8, "scale": float32 [L, out]}; everything else bfloat16."""
     params = cast_params(stack_layers(params), jnp.bfloat16)
-    h = {name: dict(part) for name, part in params["h"].items()}
+    h = dict(params["h"])
     for part in ("attn", "mlp"):
-        h[part] = {name: dict(p) for name, p in h[part].items()}
-        for name, p in h[part].items():
-            if name in _QUANTISED:
-                p["weight"], p["scale"] = quantize(p["weight"])
+        h[part] = {name: _quantized(p) if name in _QUANTISED else p for name, p in h[part].items()}
     return {**params, "h": h}
+
+
+def _quantized(p: dict) -> dict:
+    """One linear layer's {"weight", "bias"} -> {"weight": int8, "scale", "bias"}."""
+    q, scale = quantize(p["weight"])
+    return {**p, "weight": q, "scale": scale}
 
 
 def with_precision(params: Params, mode: str) -> Params:

@@ -137,3 +137,16 @@ def save_sharded_bin_dir(model: transformers.GPT2LMHeadModel, path: Path, n_shar
         weight_map.update({n: shard for n in part})
     (path / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return path
+
+
+def prepared_text(root: Path) -> Path:
+    """Two small plays of random Shakespeare words in root/text, prepared (gpt2_jax.data) into root/prepared."""
+    from gpt2_jax.data import prepare
+
+    (root / "text").mkdir()
+    words = "to be or not to be that is the question whether tis nobler in the mind to suffer".split()
+    rng = np.random.default_rng(0)
+    for i in range(2):
+        (root / "text" / f"play{i}.txt").write_text(" ".join(rng.choice(words, 3000)))
+    prepare(root / "text", root / "prepared")
+    return root / "prepared"

@@ -21,7 +21,7 @@ import gpt2_jax
 from gpt2_jax import checkpoint
 from gpt2_jax.train import init_state, make_train_step
 from tests.multihost_worker import BATCH, PROMPTS, SAMPLED, TOKENS
-from tests.reference import make_hf_model, rel_err, saved_and_loaded
+from tests.reference import make_hf_model, prepared_text, rel_err, saved_and_loaded
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -97,20 +97,16 @@ def test_the_cli_across_two_processes(model):
 
 
 def test_training_across_two_processes_matches_one_and_resumes(tmp_path):
-    from gpt2_jax.data import prepare
     from gpt2_jax.train import Hyper
     from gpt2_jax.trainer import train
 
-    (tmp_path / "text").mkdir()
-    words = "now is the winter of our discontent made glorious summer by this sun of york".split()
-    (tmp_path / "text" / "play.txt").write_text(" ".join(np.random.default_rng(0).choice(words, 4000)))
-    prepare(tmp_path / "text", tmp_path / "data")
+    data = str(prepared_text(tmp_path))
     config = gpt2_jax.GPT2Config(n_layer=1, n_head=2, n_embd=32, n_positions=64, embd_pdrop=0.0, attn_pdrop=0.0,
                                  resid_pdrop=0.0)  # fmt: skip
-    one = train(str(tmp_path / "data"), str(tmp_path / "one"), config=config, init="scratch",
+    one = train(data, str(tmp_path / "one"), config=config, init="scratch",
                 hyper=Hyper(lr=3e-3, warmup=2, steps=4), batch_size=4, block_size=16, eval_every=2, eval_batches=2,
                 ckpt_every=2, progress=False)  # fmt: skip
-    args = ["train", "--data", str(tmp_path / "data"), "--config", config.to_json(), "--out", str(tmp_path / "two"),
+    args = ["train", "--data", data, "--config", config.to_json(), "--out", str(tmp_path / "two"),
             "--lr", "3e-3", "--warmup", "2", "--batch-size", "4", "--block-size", "16", "--eval-every", "2",
             "--eval-batches", "2", "--ckpt-every", "2", "--no-progress", "--mesh", "data=2,model=2"]  # fmt: skip
     for steps, more in (("2", []), ("4", ["--resume"])):  # 2 steps, then 2 more from the sharded checkpoint

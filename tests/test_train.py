@@ -15,7 +15,7 @@ from gpt2_jax.errors import ConfigError, GPT2JaxError
 from gpt2_jax.sharding import make_mesh
 from gpt2_jax.train import Hyper, decay_mask, init_state, loss_fn, make_optimizer, make_train_step
 from gpt2_jax.trainer import train
-from tests.reference import make_hf_model, rel_err, saved_and_loaded
+from tests.reference import make_hf_model, prepared_text, rel_err, saved_and_loaded
 
 SHAPE = dict(n_layer=2, n_head=3, n_embd=48, vocab_size=101, n_positions=32)
 TINY = gpt2_jax.GPT2Config(n_layer=1, n_head=2, n_embd=32, n_positions=64, embd_pdrop=0.0, attn_pdrop=0.0,
@@ -123,14 +123,7 @@ def test_weight_decay_mask(hf_and_ours):
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("data")
-    (root / "text").mkdir()
-    words = "to be or not to be that is the question whether tis nobler in the mind to suffer".split()
-    rng = np.random.default_rng(0)
-    for i in range(2):
-        (root / "text" / f"play{i}.txt").write_text(" ".join(rng.choice(words, 3000)))
-    prepare(root / "text", root / "prepared")
-    return root / "prepared"
+    return prepared_text(tmp_path_factory.mktemp("data"))
 
 
 def test_prepared_data_and_keyed_batches(data_dir):
