@@ -1,14 +1,15 @@
-"""The KV cache: allocated once at a fixed capacity S, written in place with dynamic_update_slice.
+"""The KV cache: allocated once at a fixed capacity S, written in place, one write position per row.
 
-Ragged batches are left-padded: row b's prompt ends at the same slot as every other row's, so
-each decode step writes one slot for the whole batch (a single dynamic_update_slice, no scatter).
-Row b holds its tokens in slots [start[b], end); slots before start[b] are padding that
-attention masks out. The token in slot s of row b sits at position s - start[b].
+Row b holds its tokens in slots [0, lengths[b]): slot s holds the token at position s, the same
+position a full forward over the sequence gives it. So a row's attention reads its keys in the same
+slots whether they came from a forward, a prefill or one decode step at a time, and rows at different
+lengths (ragged prompts; later, requests that joined a running batch) share one cache. Slots at or
+past lengths[b] hold padding or stale tokens; the mask hides them until a write replaces them.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -18,28 +19,58 @@ from gpt2_jax.sharding import constrain
 
 
 class KVCache(NamedTuple):
-    # Keys and values of every layer: one [L, B, H, S, K] array (stacked params), or a tuple of
-    # L arrays [B, H, S, K] (unstacked params; faster decode on CPU, see model.forward_cached).
-    # Head-major, so attention's matmuls batch over (B, H) without transposing the cache.
-    k: Any
-    v: Any
-    start: jax.Array  # [B] int32: first slot of each row (left padding before it)
-    end: jax.Array  # [] int32: the next slot to write, the same for every row
+    k: jax.Array  # [L, B, H, S, K] keys of every layer, head-major (attention batches over B, H untransposed)
+    v: jax.Array  # [L, B, H, K, S] values, transposed (see layers.attend)
+    lengths: jax.Array  # [B] int32: tokens held by row b; its next token goes to slot lengths[b]
 
     @property
     def capacity(self) -> int:
         """S, the number of slots."""
-        return jax.tree.leaves(self.k)[0].shape[-2]
+        return self.k.shape[-2]
 
     @property
     def nbytes(self) -> int:
         """2 x L x B x S x D x itemsize."""
-        return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves((self.k, self.v)))
+        return self.k.nbytes + self.v.nbytes
 
-    @property
-    def lengths(self) -> jax.Array:
-        """[B] int32: tokens held per row."""
-        return jnp.maximum(self.end - self.start, 0)
+
+class CacheView(NamedTuple):
+    """The cache as the blocks see it while T new tokens per row go in (built by model.forward_cached)."""
+
+    k: jax.Array  # [L, B, H, S, K]
+    v: jax.Array  # [L, B, H, K, S]
+    start: jax.Array  # [B] int32: the slot of row b's first new token (its new tokens fill [start, start + T))
+    mask: jax.Array  # [B, T, S] bool: new token t of row b sees slot s iff s <= start[b] + t
+
+    def write(self, layer: jax.Array, k: jax.Array, v: jax.Array) -> "CacheView":
+        """Layer `layer`'s new k, v [B, H, T, K] into their slots (in place)."""
+        v = jnp.swapaxes(v, -1, -2)  # [B, H, K, T]
+        return self._replace(k=write_rows(self.k, layer, k, self.start, 2), v=write_rows(self.v, layer, v, self.start, 3))
+
+    def read(self, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Layer `layer`'s keys [B, H, S, K] and values [B, H, K, S]."""
+        return (jax.lax.dynamic_index_in_dim(self.k, layer, keepdims=False),
+                jax.lax.dynamic_index_in_dim(self.v, layer, keepdims=False))  # fmt: skip
+
+
+def write_rows(cache: jax.Array, layer: jax.Array, new: jax.Array, start: jax.Array, axis: int) -> jax.Array:
+    """cache [L, B, H, ...] <- new [B, H, ...] at layer `layer`, slots [start[b], start[b] + T) of row b
+    along `axis` of a row's [L, H, ...] (2 for keys [.., S, K], 3 for transposed values [.., K, S]).
+    The caller keeps start[b] + T <= S (dynamic_update_slice would clamp, not fail)."""
+
+    def row(c, n, s):  # c: row b's [L, H, ...], n: its new [H, ...]
+        at = [jnp.zeros((), jnp.int32)] * c.ndim
+        at[0], at[axis] = layer, s
+        return jax.lax.dynamic_update_slice(c, n[None].astype(c.dtype), at)
+
+    return jax.vmap(row, in_axes=(1, 0, 0), out_axes=1)(cache, new, start)
+
+
+def visible(start: jax.Array, T: int, capacity: int) -> jax.Array:
+    """[B, T, S] bool: new token t of row b (at slot start[b] + t) sees slots 0 .. start[b] + t."""
+    s = jnp.arange(capacity, dtype=jnp.int32)
+    slots = start[:, None] + jnp.arange(T, dtype=jnp.int32)  # [B, T]
+    return s[None, None, :] <= slots[:, :, None]
 
 
 def cache_bytes(config: GPT2Config, batch: int, capacity: int, dtype=jnp.float32) -> int:
@@ -47,28 +78,10 @@ def cache_bytes(config: GPT2Config, batch: int, capacity: int, dtype=jnp.float32
     return 2 * config.n_layer * batch * capacity * config.n_embd * jnp.dtype(dtype).itemsize
 
 
-def init_cache(config: GPT2Config, start: jax.Array, capacity: int, dtype=jnp.float32,
-               per_layer: bool = False) -> KVCache:
-    """An empty cache for len(start) rows and `capacity` slots, stacked or one array per layer.
-    On a mesh (see sharding.on_mesh) rows are split over "data" and heads over "model"."""
-    shape = (start.shape[0], config.n_head, capacity, config.head_dim)
-    if per_layer:
-        k = tuple(constrain(jnp.zeros(shape, dtype), "BHSK") for _ in range(config.n_layer))
-        v = tuple(constrain(jnp.zeros(shape, dtype), "BHSK") for _ in range(config.n_layer))
-    else:
-        k = v = constrain(jnp.zeros((config.n_layer, *shape), dtype), "LBHSK")
-    return KVCache(k, v, start.astype(jnp.int32), jnp.zeros((), jnp.int32))
-
-
-def write(cache_kv: jax.Array, new: jax.Array, slot: jax.Array) -> jax.Array:
-    """cache [(L,) B, H, S, K] <- new [(L,) B, H, T, K] at slots [slot, slot + T), in place."""
-    start = [jnp.zeros((), jnp.int32)] * cache_kv.ndim
-    start[-2] = slot
-    return jax.lax.dynamic_update_slice(cache_kv, new.astype(cache_kv.dtype), start)
-
-
-def key_mask(cache: KVCache, T: int) -> jax.Array:
-    """[B, T, S] bool: what T new queries may see in the cache: row b's slots [start[b], end)."""
-    s = jnp.arange(cache.capacity)
-    valid = (s[None, :] >= cache.start[:, None]) & (s[None, :] < cache.end)  # [B, S]
-    return jnp.broadcast_to(valid[:, None, :], (valid.shape[0], T, valid.shape[1]))
+def init_cache(config: GPT2Config, batch: int, capacity: int, dtype=jnp.float32) -> KVCache:
+    """An empty cache of `batch` rows and `capacity` slots. On a mesh (see sharding.on_mesh) rows are
+    split over "data" and heads over "model"."""
+    shape = (config.n_layer, batch, config.n_head, capacity, config.head_dim)
+    k = constrain(jnp.zeros(shape, dtype), "LBHSK")
+    v = constrain(jnp.zeros((*shape[:3], config.head_dim, capacity), dtype), "LBHKS")
+    return KVCache(k, v, jnp.zeros(batch, jnp.int32))

@@ -11,7 +11,7 @@ import jax
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import CheckpointError
 from gpt2_jax.files import atomic_dir
-from gpt2_jax.params import Params, check_tree
+from gpt2_jax.params import Params, check_tree, stack_layers
 
 CONFIG_FILE = "gpt2_jax.json"
 PARAMS_DIR = "params"
@@ -24,8 +24,10 @@ def _checkpointer():
 
 
 def save(dst: str | Path, params: Params, config: GPT2Config, *, force: bool = False) -> Path:
-    """Write params + config to dst atomically; an existing dst is replaced only with force=True."""
+    """Write params (per-layer or stacked; stored stacked) + config to dst atomically; an existing dst is
+    replaced only with force=True."""
     dst = Path(dst).absolute()
+    params = stack_layers(params)
     with atomic_dir(dst, force) as tmp:
         if jax.process_index() == 0:  # with several processes: one config file, every process's shards
             (tmp / CONFIG_FILE).write_text(config.to_json())

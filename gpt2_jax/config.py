@@ -35,6 +35,9 @@ class GPT2Config:
     n_valid_tokens: int | None = None
     scale_attn_weights: bool = True  # divide scores by sqrt(K)
     scale_attn_by_inverse_layer_idx: bool = False  # also divide layer i's scores by i + 1
+    # The end-of-text id generation stops on by default (GPT-2's <|endoftext|>; a HuggingFace
+    # config.json's eos_token_id). None, or an id outside the vocab, means no default EOS.
+    eos_token_id: int | None = 50256
     # Dropout rates; used only by the training loss when train=True, never at inference.
     embd_pdrop: float = 0.1
     attn_pdrop: float = 0.1
@@ -53,6 +56,12 @@ class GPT2Config:
             raise ConfigError(
                 f"GPT2Config.n_valid_tokens={self.n_valid_tokens} must be in [1, vocab_size={self.vocab_size}]"
             )
+
+    @property
+    def eos_id(self) -> int | None:
+        """The default EOS for generation: eos_token_id when it is a real token of this vocab, else None."""
+        eos = self.eos_token_id
+        return eos if isinstance(eos, int) and 0 <= eos < self.valid_vocab else None
 
     @property
     def head_dim(self) -> int:

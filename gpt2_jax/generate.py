@@ -32,13 +32,12 @@ class StopRule(NamedTuple):
 
 
 class DecodeState(NamedTuple):
-    cache: KVCache  # K/V of every layer [L, B, H, S, K] (or L x [B, H, S, K]), row starts [B], next slot []
+    cache: KVCache  # K/V [L, B, H, S, K]; lengths [B]: tokens held, i.e. the position of the token drawn next
     logits: jax.Array  # [B, V] float32: next-token logits of each row
     keys: jax.Array  # [B] PRNG keys, one per row
-    positions: jax.Array  # [B] int32: absolute position of the token sampled next
     done: jax.Array  # [B] bool: the row has emitted EOS or a stop id
     fill: jax.Array  # [B] int32: what a finished row emits (the EOS id, else its stop token)
-    lengths: jax.Array  # [B] int32: tokens generated so far, the stopping token included
+    generated: jax.Array  # [B] int32: tokens generated so far, the stopping token included
 
 
 class GenerateResult(NamedTuple):
@@ -48,48 +47,50 @@ class GenerateResult(NamedTuple):
 
 
 @functools.partial(jax.jit, static_argnames=("config", "capacity"))
-def prefill(params: Params, tokens: jax.Array, start: jax.Array, keys: jax.Array, config: GPT2Config,
+def prefill(params: Params, tokens: jax.Array, lengths: jax.Array, keys: jax.Array, config: GPT2Config,
             capacity: int) -> DecodeState:
-    """Left-padded prompts [B, P] (row b starts at slot start[b]) -> the state before the first draw."""
-    tokens, start, keys = constrain(tokens, "BT"), constrain(start, "B"), constrain(keys, "B")  # rows over "data"
-    cache = init_cache(config, start, capacity, params["wte"].dtype, isinstance(params["h"], (list, tuple)))
-    logits, cache = forward_cached(params, tokens, cache, config, last_only=True, empty=True)
-    B, P = tokens.shape
+    """Right-padded prompts [B, P] of lengths [B] -> the state before the first draw: one cached forward
+    writes every prompt's K/V into slots [0, P) of a fresh cache of `capacity` slots."""
+    tokens, lengths, keys = constrain(tokens, "BT"), constrain(lengths, "B"), constrain(keys, "B")  # rows over "data"
+    B = tokens.shape[0]
+    cache = init_cache(config, B, capacity, params["wte"].dtype)
+    logits, cache = forward_cached(params, tokens, cache, config, last=lengths - 1)
     no = jnp.zeros(B, bool)
-    return DecodeState(cache, logits[:, 0], keys, P - start, no, jnp.zeros(B, jnp.int32), jnp.zeros(B, jnp.int32))
+    zero = jnp.zeros(B, jnp.int32)
+    return DecodeState(cache._replace(lengths=lengths), logits[:, 0], keys, no, zero, zero)
 
 
 def _draw(state: DecodeState, settings: sampling.RowSettings, stop: StopRule, n_valid: int):
     """Sample each row's next token -> (state with done/fill/lengths updated, tokens [B], logprobs [B])."""
-    keys = jax.vmap(jax.random.fold_in)(state.keys, state.positions)
+    keys = jax.vmap(jax.random.fold_in)(state.keys, state.cache.lengths)  # the drawn token's position
     token = sampling.sample_rows(keys, state.logits, settings, n_valid)
     logprob = jnp.take_along_axis(jax.nn.log_softmax(state.logits), token[:, None], axis=-1)[:, 0]
     stops = (token == stop.eos_id) | (token[:, None] == stop.stop_ids[None, :]).any(-1)
     token = jnp.where(state.done, state.fill, token)
     logprob = jnp.where(state.done, 0.0, logprob)
     fill = jnp.where(state.done, state.fill, jnp.where(stop.eos_id >= 0, stop.eos_id, token))
-    lengths = state.lengths + (~state.done).astype(jnp.int32)
-    return state._replace(done=state.done | stops, fill=fill, lengths=lengths), token, logprob
+    generated = state.generated + (~state.done).astype(jnp.int32)
+    return state._replace(done=state.done | stops, fill=fill, generated=generated), token, logprob
 
 
 def _feed(params: Params, state: DecodeState, token: jax.Array, config: GPT2Config) -> DecodeState:
     """Run the drawn tokens [B] through the model: their K/V enter the cache, new logits come out."""
     logits, cache = forward_cached(params, token[:, None], state.cache, config)
-    return state._replace(cache=cache, logits=logits[:, 0], positions=state.positions + 1)
+    return state._replace(cache=cache, logits=logits[:, 0])
 
 
-@functools.partial(jax.jit, static_argnames=("config",))
+@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("state",))
 def decode_step(params: Params, state: DecodeState, settings: sampling.RowSettings, stop: StopRule,
                 config: GPT2Config) -> tuple[DecodeState, jax.Array, jax.Array]:
-    """One streaming step: draw tokens [B] (and their logprobs [B]), then feed them back.
-    On a mesh, the tokens, logprobs and done flags come back whole on every device (and process)."""
+    """One streaming step: draw tokens [B] (and their logprobs [B]), then feed them back. The state is
+    donated: its cache is updated in place, so pass the returned state on and drop the old one. On a mesh, the tokens, logprobs and done flags come back whole on every device (and process)."""
     state, token, logprob = _draw(state, settings, stop, config.valid_vocab)
     state = _feed(params, state, token, config)
     return state._replace(done=replicate(state.done)), *replicate((token, logprob))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "capacity", "steps"))
-def _generate(params: Params, tokens: jax.Array, start: jax.Array, keys: jax.Array,
+def _generate(params: Params, tokens: jax.Array, lengths: jax.Array, keys: jax.Array,
               settings: sampling.RowSettings, stop: StopRule, max_new: jax.Array, config: GPT2Config,
               capacity: int, steps: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """prefill + up to max_new draws -> (tokens [B, steps], logprobs [B, steps], lengths [B]).
@@ -98,7 +99,7 @@ def _generate(params: Params, tokens: jax.Array, start: jax.Array, keys: jax.Arr
     draws or once every row has stopped, never running the bucket's padding steps. (A lax.cond
     inside a lax.scan would skip them too, but XLA then copies the whole KV cache every step:
     8 ms of a 49 ms step at batch 8, measured.) Outputs are preallocated and written in place."""
-    state = prefill(params, tokens, start, keys, config, capacity)
+    state = prefill(params, tokens, lengths, keys, config, capacity)
     B = tokens.shape[0]
 
     def running(carry):
@@ -116,7 +117,7 @@ def _generate(params: Params, tokens: jax.Array, start: jax.Array, keys: jax.Arr
     t, state, toks, logprobs = jax.lax.while_loop(running, step, (jnp.zeros((), jnp.int32), state, *empty))
     after = jnp.arange(steps)[None, :] >= t  # steps never drawn because every row had stopped
     # On a mesh the (small) results come back whole, so every process can read them.
-    return replicate((jnp.where(after, state.fill[:, None], toks), jnp.where(after, 0.0, logprobs), state.lengths))
+    return replicate((jnp.where(after, state.fill[:, None], toks), jnp.where(after, 0.0, logprobs), state.generated))
 
 
 def _pad_rows(tree: Any, rows: int) -> Any:
@@ -141,25 +142,28 @@ def _prepare(params: Params, config: GPT2Config, prompts: Any, key: jax.Array, m
     batch = make_batch(prompts, config, max_new_tokens)
     B = batch.tokens.shape[0]
     settings = sampling.row_settings(temperature, top_k, top_p, B)
-    eos, stops = check_stop_args(eos_id, stop_ids, config, MAX_STOP_IDS)
+    eos, stops = check_stop_args(config.eos_id if eos_id == "config" else eos_id, stop_ids, config, MAX_STOP_IDS)
     rows = -(-B // row_multiple) * row_multiple
-    tokens, start, keys, settings = _pad_rows((batch.tokens, batch.start, sampling.row_keys(key, B), settings), rows)
-    return batch._replace(tokens=tokens, start=start, keys=keys), settings, StopRule(eos, stops), mesh
+    tokens, lengths, keys, settings = _pad_rows((batch.tokens, batch.lengths, sampling.row_keys(key, B), settings),
+                                                rows)  # fmt: skip
+    return batch._replace(tokens=tokens, lengths=lengths, keys=keys), settings, StopRule(eos, stops), mesh
 
 
 def generate(params: Params, config: GPT2Config, prompts: Any, key: jax.Array, *, max_new_tokens: int,
-             temperature: Any = 1.0, top_k: Any = 0, top_p: Any = 1.0, eos_id: int | None = 50256,
+             temperature: Any = 1.0, top_k: Any = 0, top_p: Any = 1.0, eos_id: int | None | str = "config",
              stop_ids: Any = (), return_logprobs: bool = False) -> GenerateResult:
     """Prompts (lists of token ids, ragged) -> GenerateResult(tokens [B, N], lengths [B], logprobs [B, N]).
 
     key: one PRNG key (row b uses fold_in(key, b)) or one key per row [B]. temperature, top_k,
-    top_p: scalars or per-row [B]. eos_id=None never stops on EOS; stop_ids adds more stop tokens.
+    top_p: scalars or per-row [B]. eos_id: "config" (the default) is the checkpoint's eos_token_id
+    (GPT-2's <|endoftext|>, 50256), or no EOS when that id is outside the vocab (a small test model);
+    an explicit id must be in the vocab; None never stops on EOS. stop_ids adds more stop tokens.
     Params sharded with gpt2_jax.sharding run on their mesh and give the same tokens."""
     batch, settings, stop, mesh = _prepare(params, config, prompts, key, max_new_tokens, temperature, top_k, top_p,
                                            eos_id, stop_ids)  # fmt: skip
     with on_mesh(mesh):
         toks, logprobs, lengths = _generate(
-            params, batch.tokens, batch.start, batch.keys, settings, stop, jnp.int32(max_new_tokens), config,
+            params, batch.tokens, batch.lengths, batch.keys, settings, stop, jnp.int32(max_new_tokens), config,
             batch.capacity, batch.steps,
         )
     B, n = batch.rows, max_new_tokens
@@ -169,7 +173,7 @@ def generate(params: Params, config: GPT2Config, prompts: Any, key: jax.Array, *
 
 
 def generate_stream(params: Params, config: GPT2Config, prompts: Any, key: jax.Array, *, max_new_tokens: int,
-                    temperature: Any = 1.0, top_k: Any = 0, top_p: Any = 1.0, eos_id: int | None = 50256,
+                    temperature: Any = 1.0, top_k: Any = 0, top_p: Any = 1.0, eos_id: int | None | str = "config",
                     stop_ids: Any = ()) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Like generate, one decode_step at a time: yields (tokens [B], live [B]) per step, where
     live marks the rows whose token is newly generated (the others have stopped and repeat EOS)."""
@@ -177,7 +181,7 @@ def generate_stream(params: Params, config: GPT2Config, prompts: Any, key: jax.A
                                            eos_id, stop_ids)  # fmt: skip
     B = batch.rows
     with on_mesh(mesh):
-        state = prefill(params, batch.tokens, batch.start, batch.keys, config, batch.capacity)
+        state = prefill(params, batch.tokens, batch.lengths, batch.keys, config, batch.capacity)
     live = np.ones(B, bool)
     for _ in range(max_new_tokens):
         with on_mesh(mesh):

@@ -54,9 +54,15 @@ def config_from_hf(d: dict[str, Any], source: str) -> GPT2Config:
             embd_pdrop=float(d.get("embd_pdrop", 0.1)),
             attn_pdrop=float(d.get("attn_pdrop", 0.1)),
             resid_pdrop=float(d.get("resid_pdrop", 0.1)),
+            eos_token_id=_eos(d.get("eos_token_id", 50256)),
         )
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
+
+
+def _eos(value: Any) -> int | None:
+    """config.json's eos_token_id: an int, null, or (newer transformers) a list whose first id we use."""
+    return value[0] if isinstance(value, list) and value else (value if isinstance(value, int) else None)
 
 
 def config_to_hf(config: GPT2Config) -> dict[str, Any]:
@@ -70,7 +76,7 @@ def config_to_hf(config: GPT2Config) -> dict[str, Any]:
         "scale_attn_weights": config.scale_attn_weights,
         "scale_attn_by_inverse_layer_idx": config.scale_attn_by_inverse_layer_idx,
         "embd_pdrop": config.embd_pdrop, "attn_pdrop": config.attn_pdrop, "resid_pdrop": config.resid_pdrop,
-        "bos_token_id": 50256, "eos_token_id": 50256, "tie_word_embeddings": True,
+        "bos_token_id": 50256, "eos_token_id": config.eos_token_id, "tie_word_embeddings": True,
     }  # fmt: skip
 
 

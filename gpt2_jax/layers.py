@@ -1,17 +1,23 @@
 """GPT-2's building blocks as small pure functions (shape legend in gpt2_jax.config).
 
-The residual stream is float32. Each matmul runs in the weights' dtype (float32 or
-bfloat16) and accumulates in float32; LayerNorm and softmax always compute in float32.
+One `block` serves every path: the training loss, `forward`, prefill, decode and (later) serving
+and speculation. Without a cache it attends causally over its own T tokens; with one (a
+`cache.CacheView`) it first writes its new K/V into the cache, then attends over the whole cache,
+so a token's attention reads the same keys in the same slots whichever path computed it.
+
+The residual stream is float32. Each matmul runs in the weights' dtype (float32 or bfloat16) and
+accumulates in float32; LayerNorm and softmax always compute in float32.
 """
 
 from __future__ import annotations
 
-import itertools
+import math
 
 import jax
 import jax.numpy as jnp
 
 from gpt2_jax.config import GPT2Config
+from gpt2_jax.scan import apply_weight, take
 from gpt2_jax.sharding import constrain
 
 F32 = jnp.float32
@@ -19,24 +25,58 @@ BF16 = jnp.bfloat16
 NEG_INF = jnp.finfo(F32).min  # finite, so a fully masked row gives a uniform softmax, never NaN
 
 
+# XLA's CPU reductions take one code path (and rounding) below about this many elements and another
+# above; row-wise reductions are padded with extra rows up to it, so one token's LayerNorm or softmax
+# gives the same bits alone (a decode step) as among thousands (a prefill).
+MIN_REDUCE = 16384
+
+
+def min_rows(x: jax.Array, rows: int) -> int:
+    """How many rows x [rows, ...] needs for its row-wise reductions to take the large-input path."""
+    return max(rows, -(-MIN_REDUCE // (x.size // rows)))
+
+
 def layer_norm(p: dict, x: jax.Array, eps: float) -> jax.Array:
     """[..., D] -> [..., D]: normalise over D (biased variance), then scale and shift."""
-    x = x.astype(F32)
+    shape = x.shape
+    x = x.astype(F32).reshape(-1, shape[-1])
+    M = x.shape[0]
+    x = jnp.pad(x, ((0, min_rows(x, M) - M), (0, 0)))  # padded rows: zeros, finite (see MIN_REDUCE)
     mean = x.mean(-1, keepdims=True)
     var = jnp.square(x - mean).mean(-1, keepdims=True)
-    y = (x - mean) * jax.lax.rsqrt(var + eps) * p["weight"].astype(F32)
-    return y + p["bias"].astype(F32) if "bias" in p else y
+    y = (x - mean) * jax.lax.rsqrt(var + eps) * take(p["weight"]).astype(F32)
+    y = y + take(p["bias"]).astype(F32) if "bias" in p else y
+    return y[:M].reshape(shape)
 
 
-def linear(p: dict, x: jax.Array, spec: str = "...i,io->...o") -> jax.Array:
-    """[..., in] @ W[in, out] (+ b) -> [..., out] float32 (spec: the einsum, for weights of other ranks).
-    An int8 weight (gpt2_jax.precision) is used as bfloat16, its per-column scale applied to the result."""
-    w = p["weight"]
-    if "scale" in p:
-        y = jnp.einsum(spec, x.astype(BF16), w.astype(BF16), preferred_element_type=F32) * p["scale"]
-    else:
-        y = jnp.einsum(spec, x.astype(w.dtype), w, preferred_element_type=F32)
-    return y + p["bias"].astype(F32) if "bias" in p else y
+def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., in] @ w[out..., in] -> [..., out...] float32, as one 2-D [M, in] x [N, in] matmul.
+
+    In this form (the weight contracted on its last axis, a plain 2-D result) XLA's CPU kernel computes
+    each row with the same instructions for any row count M >= 2, so a token's result does not depend
+    on how many rows share the call (a batch, a prefill, a decode step). The barrier keeps XLA from
+    choosing another output layout for the consumer's sake (which swaps the operands and the kernel).
+    A single row takes a matrix-vector kernel, so it is computed as two."""
+    lead, out = x.shape[:-1], w.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    M = x2.shape[0]
+    x2 = jnp.concatenate([x2, x2]) if M == 1 else x2
+    y = jnp.einsum("MI,NI->MN", x2, w.reshape(-1, w.shape[-1]), preferred_element_type=F32)
+    return jax.lax.optimization_barrier(y)[:M].reshape(*lead, *out)
+
+
+def linear(p: dict, x: jax.Array) -> jax.Array:
+    """x [..., in] @ W[out..., in].T (+ b) -> [..., out...] float32. An int8 weight (gpt2_jax.precision)
+    is used as bfloat16, its per-output scale applied after."""
+    int8 = "scale" in p
+
+    def product(w: jax.Array) -> jax.Array:
+        a, w = (x.astype(BF16), w.astype(BF16)) if int8 else (x.astype(w.dtype), w)
+        return matmul(a, w)
+
+    y = apply_weight(p["weight"], product)  # a per-layer buffer is read in place (see params.apply_weight)
+    y = y * take(p["scale"]) if int8 else y
+    return y + take(p["bias"]).astype(F32) if "bias" in p else y
 
 
 def gelu(x: jax.Array, approximate: bool) -> jax.Array:
@@ -74,9 +114,9 @@ def attn_scale(config: GPT2Config, layer: jax.Array | int) -> jax.Array:
 
 def qkv(p: dict, x: jax.Array, config: GPT2Config) -> tuple[jax.Array, jax.Array, jax.Array]:
     """[B, T, D] -> q, k, v each [B, H, T, K] (head-major, the KV cache's layout), from the fused c_attn
-    (weight [D, 3, D]: C = q|k|v, E = H x K)."""
+    (weight [3, D, D]: C = q|k|v, E = H x K outputs, D inputs)."""
     B, T, _ = x.shape
-    fused = linear(p["c_attn"], x, "BTD,DCE->BTCE").reshape(B, T, 3, config.n_head, config.head_dim)
+    fused = linear(p["c_attn"], x).reshape(B, T, 3, config.n_head, config.head_dim)  # [B, T, C, E]
     q, k, v = (constrain(a, "BHTK") for a in jnp.einsum("BTCHK->CBHTK", fused))
     return q, k, v
 
@@ -87,38 +127,71 @@ def merge_heads(x: jax.Array) -> jax.Array:
     return jnp.einsum("BHTK->BTHK", x).reshape(B, T, H * K)
 
 
-def attend(q: jax.Array, kv_blocks: list[tuple[jax.Array, jax.Array, jax.Array]], scale: jax.Array,
-           key: jax.Array | None = None, rate: float = 0.0) -> jax.Array:
-    """q [B, H, T, K] over blocks of (k [B, H, S, K], v [B, H, S, K], mask bool [B or 1, T, S]) -> [B, H, T, K].
-
-    One softmax spans all blocks, so keys split between a cache and the new tokens need no
-    concatenation (which would copy the cache). Head-major operands keep (B, H) as leading
-    batch dims of both matmuls, so XLA never transposes the cache."""
-    scores = [
-        jnp.where(mask[:, None], jnp.einsum("BHTK,BHSK->BHTS", q, k, preferred_element_type=F32) * scale, NEG_INF)
-        for k, _, mask in kv_blocks
-    ]
-    sizes = [s.shape[-1] for s in scores]
-    weights = dropout(jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1), rate, key)
-    parts = jnp.split(weights, list(itertools.accumulate(sizes))[:-1], axis=-1)
-    return sum(
-        jnp.einsum("BHTS,BHSK->BHTK", w.astype(v.dtype), v, preferred_element_type=F32)
-        for w, (_, v, _) in zip(parts, kv_blocks)
-    )
-
-
 def causal_mask(T: int) -> jax.Array:
     """[1, T, T] bool: query t sees keys 0..t."""
     return jnp.tril(jnp.ones((T, T), bool))[None]
 
 
-def attention(p: dict, x: jax.Array, config: GPT2Config, scale: jax.Array, key: jax.Array | None = None) -> jax.Array:
-    """[B, T, D] -> [B, T, D]: causal multi-head self-attention, heads concatenated, then c_proj.
-    With a key (training), dropout on the attention weights and on the output."""
+KEY_BLOCK = 128  # keys are scored in blocks of this many slots (see attend)
+
+
+def attend(q: jax.Array, k: jax.Array, vt: jax.Array, mask: jax.Array, scale: jax.Array,
+           key: jax.Array | None = None, rate: float = 0.0) -> jax.Array:
+    """q [B, H, T, K] over keys k [B, H, S, K] and values vt [B, H, K, S] (transposed) where mask
+    [B or 1, T, S] allows -> [B, H, T, K].
+
+    Built so that a query's result is the same bits whatever else is computed with it, and however
+    many key slots follow its own (a forward over T tokens vs a cache of S slots): keys are padded to
+    whole blocks of KEY_BLOCK slots and scored block by block (a fixed matmul shape), each block's
+    softmax mass is summed alone and the blocks' sums added in order, so masked slots add exact zeros;
+    the values are held transposed, the layout in which the weighted sum's kernel ignores S. A decode
+    step's single query is padded with copies of itself (see matmul and MIN_REDUCE). Head-major
+    operands keep (B, H) as the leading batch dims: the cache is never transposed."""
+    B, H, T, K = q.shape
+    S = k.shape[2]
+    n = -(-S // KEY_BLOCK)
+    pad = n * KEY_BLOCK - S
+    mask = jnp.broadcast_to(mask, (mask.shape[0], T, S))
+    if pad:
+        k = jnp.pad(k, ((0, 0), (0, 0), (0, pad), (0, 0)))
+        vt = jnp.pad(vt, ((0, 0), (0, 0), (0, 0), (0, pad)))
+        mask = jnp.pad(mask, ((0, 0), (0, 0), (0, pad)))
+    # At least 2 queries (matmul), and enough (query, block) rows for the softmax's reductions.
+    Tq = max(2, T, -(-MIN_REDUCE // (B * H * n * KEY_BLOCK)))
+    if Tq > T:
+        q = jnp.pad(q, ((0, 0), (0, 0), (0, Tq - T), (0, 0)), mode="edge")
+        mask = jnp.pad(mask, ((0, 0), (0, Tq - T), (0, 0)), mode="edge")
+    Sp = n * KEY_BLOCK
+    qb = jnp.broadcast_to(q[:, :, None], (B, H, n, Tq, K))  # each block's matmul gets its own operand
+    kb = k.reshape(B, H, n, KEY_BLOCK, K)
+    scores = jnp.einsum("BHNTK,BHNCK->BHNTC", qb, kb, preferred_element_type=F32) * scale
+    blocked = mask.reshape(mask.shape[0], Tq, n, KEY_BLOCK).transpose(0, 2, 1, 3)[:, None]  # [B, 1, N, T, C]
+    scores = jnp.where(blocked, scores, NEG_INF)
+    e = jnp.exp(scores - jnp.max(scores, axis=(2, 4), keepdims=True))
+    block_sums = e.sum(axis=-1)  # [B, H, N, T]
+    total = block_sums[:, :, 0]
+    for j in range(1, n):  # in block order, so blocks past the last key add exact zeros
+        total = total + block_sums[:, :, j]
+    weights = dropout(e / total[:, :, None, :, None], rate, key)
+    weights = weights.transpose(0, 1, 3, 2, 4).reshape(B, H, Tq, Sp)
+    out = jnp.einsum("BHTS,BHKS->BHTK", weights.astype(vt.dtype), vt, preferred_element_type=F32)
+    return out[:, :, :T]
+
+
+def attention(p: dict, x: jax.Array, config: GPT2Config, layer: jax.Array | int, cache=None,
+              key: jax.Array | None = None):
+    """[B, T, D] -> ([B, T, D], cache): causal multi-head self-attention, heads concatenated, then c_proj.
+    With a cache (cache.CacheView), the new K/V are written into it first and attention reads the whole
+    cache under its mask. With a key (training), dropout on the attention weights and on the output."""
     k_attn, k_resid = _split(key, 2)
     q, k, v = qkv(p, x, config)
-    out = attend(q, [(k, v, causal_mask(x.shape[1]))], scale, k_attn, config.attn_pdrop)
-    return dropout(project_heads(p["c_proj"], out), config.resid_pdrop, k_resid)
+    if cache is None:
+        keys, values, mask = k, jnp.swapaxes(v, -1, -2), causal_mask(x.shape[1])
+    else:
+        cache = cache.write(layer, k, v)
+        (keys, values), mask = cache.read(layer), cache.mask
+    out = attend(q, keys, values, mask, attn_scale(config, layer), k_attn, config.attn_pdrop)
+    return dropout(project_heads(p["c_proj"], out), config.resid_pdrop, k_resid), cache
 
 
 def project_heads(p: dict, heads: jax.Array) -> jax.Array:
@@ -126,9 +199,12 @@ def project_heads(p: dict, heads: jax.Array) -> jax.Array:
     return constrain(linear(p, merge_heads(heads)), "BTD")
 
 
-def block(p: dict, x: jax.Array, config: GPT2Config, scale: jax.Array, key: jax.Array | None = None) -> jax.Array:
-    """[B, T, D] -> [B, T, D]: pre-LN transformer block with residual connections (dropout only with a key)."""
+def block(p: dict, x: jax.Array, config: GPT2Config, layer: jax.Array | int, cache=None,
+          key: jax.Array | None = None):
+    """x [B, T, D] -> (x [B, T, D], cache): pre-LN transformer block with residual connections.
+    layer: this block's index (for the cache and inverse-layer scaling); dropout only with a key."""
     eps = config.layer_norm_epsilon
     k_attn, k_mlp = _split(key, 2)
-    x = x + attention(p["attn"], layer_norm(p["ln_1"], x, eps), config, scale, k_attn)
-    return x + mlp(p["mlp"], layer_norm(p["ln_2"], x, eps), config, k_mlp)
+    a, cache = attention(p["attn"], layer_norm(p["ln_1"], x, eps), config, layer, cache, k_attn)
+    x = x + a
+    return x + mlp(p["mlp"], layer_norm(p["ln_2"], x, eps), config, k_mlp), cache

@@ -12,7 +12,7 @@ import numpy as np
 from gpt2_jax import checkpoint, files, hf, nanogpt
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import CheckpointError, ConfigError
-from gpt2_jax.params import Params, from_flat
+from gpt2_jax.params import Params, from_flat, unstack_layers
 
 FORMATS = (
     "a gpt2_jax checkpoint directory (gpt2_jax.json + params/), "
@@ -61,14 +61,16 @@ def place(params: Params, config: GPT2Config, mesh: Any = None) -> Params:
 
 def load(path: str | Path, *, dtype: Any = None, config: GPT2Config | None = None,
          mesh: Any = None) -> tuple[Params, GPT2Config]:
-    """Any supported checkpoint -> (params, config). dtype: keep the stored one (None), float32 or bfloat16.
+    """Any supported checkpoint -> (params, config), each layer's tensors their own buffers (the fast form
+    for every path; see gpt2_jax.params). dtype: keep the stored one (None), float32 or bfloat16.
     mesh (gpt2_jax.sharding.make_mesh): lay the params out on it, each device receiving only its shards."""
     path = Path(path)
     dtype = resolve_dtype(dtype)
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
     if checkpoint.is_checkpoint(path):
-        return checkpoint.restore(path, dtype, mesh)
+        params, config = checkpoint.restore(path, dtype, mesh)
+        return unstack_layers(params), config
     if path.is_dir() and (path / "config.json").is_file():
         source = hf.weight_file(path)
         flat, found = hf.read_dir(path)
@@ -81,4 +83,4 @@ def load(path: str | Path, *, dtype: Any = None, config: GPT2Config | None = Non
         source = path
         flat, found = _read_file(path, config)
     config = config or found
-    return place(from_flat(flat, config, str(source), dtype), config, mesh), config
+    return unstack_layers(place(from_flat(flat, config, str(source), dtype), config, mesh)), config

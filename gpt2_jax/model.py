@@ -1,21 +1,18 @@
-"""The forward pass: token ids [B, T] -> logits [B, T, V], a lax.scan over the stacked blocks."""
+"""The forward pass: token ids [B, T] -> logits [B, T, V]; the same blocks with a KV cache for generation."""
 
 from __future__ import annotations
 
 import functools
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gpt2_jax.cache import KVCache, key_mask, write
+from gpt2_jax.cache import CacheView, KVCache, visible
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import InputError
-from gpt2_jax.layers import (
-    F32, attend, attn_scale, block, causal_mask, dropout, layer_norm, mlp, project_heads, qkv,
-)  # fmt: skip
+from gpt2_jax.layers import F32, block, dropout, layer_norm, matmul
 from gpt2_jax.params import Params
+from gpt2_jax.scan import layer_at, n_layers, scan_layers
 from gpt2_jax.sharding import constrain, mesh_of, on_mesh
 
 
@@ -33,20 +30,23 @@ def unembed(params: Params, h: jax.Array, config: GPT2Config) -> jax.Array:
     """[B, T, D] -> logits [B, T, V] float32: final LayerNorm, then h @ wte.T (tied, no bias)."""
     h = layer_norm(params["ln_f"], h, config.layer_norm_epsilon)
     wte = params["wte"]
-    return jnp.einsum("BTD,VD->BTV", h.astype(wte.dtype), wte, preferred_element_type=F32)
+    return matmul(h.astype(wte.dtype), wte)  # [B, T, D] x [V, D] -> [B, T, V]
 
 
-def run_blocks(params: Params, x: jax.Array, config: GPT2Config, key: jax.Array | None = None) -> jax.Array:
-    """[B, T, D] -> [B, T, D]: scan over the L stacked blocks (compile time independent of L).
-    With a key, layer i's dropout uses fold_in(key, i)."""
+def run_blocks(params: Params, x: jax.Array, config: GPT2Config, cache: CacheView | None = None,
+               key: jax.Array | None = None) -> tuple[jax.Array, CacheView | None]:
+    """x [B, T, D] -> (x [B, T, D], cache): the L blocks as one lax.scan over the layer index (compile
+    time independent of L), per-layer or stacked params alike (see gpt2_jax.scan). With a cache, each
+    block writes its K/V into it; with a key, layer i's dropout uses fold_in(key, i)."""
+    layers = scan_layers(params["h"])
 
-    def step(x, layer):
-        p, i = layer
+    def step(carry, i):
+        x, cache = carry
         layer_key = None if key is None else jax.random.fold_in(key, i)
-        return block(p, x, config, attn_scale(config, i), layer_key), None
+        return block(layer_at(layers, i), x, config, i, cache, layer_key), None
 
-    x, _ = jax.lax.scan(step, x, (params["h"], jnp.arange(config.n_layer)))
-    return x
+    (x, cache), _ = jax.lax.scan(step, (x, cache), jnp.arange(n_layers(params["h"])))
+    return x, cache
 
 
 def apply(params: Params, tokens: jax.Array, config: GPT2Config, key: jax.Array | None = None) -> jax.Array:
@@ -54,7 +54,7 @@ def apply(params: Params, tokens: jax.Array, config: GPT2Config, key: jax.Array 
     k_embd, k_blocks = (None, None) if key is None else jax.random.split(key)
     x = constrain(embed(params, tokens, jnp.arange(tokens.shape[1])), "BTD")  # on a mesh: rows over "data"
     x = dropout(x, config.embd_pdrop, k_embd)
-    return unembed(params, run_blocks(params, x, config, k_blocks), config)
+    return unembed(params, run_blocks(params, x, config, None, k_blocks)[0], config)
 
 
 @functools.partial(jax.jit, static_argnames="config")
@@ -91,63 +91,19 @@ def forward(params: Params, tokens, config: GPT2Config) -> jax.Array:
         return _forward(params, jnp.asarray(tokens, jnp.int32), config)
 
 
-def _cached_layer(p: dict, i, x: jax.Array, config: GPT2Config, kv_blocks) -> tuple[jax.Array, Any]:
-    """One block over the new tokens x [B, T, D]. kv_blocks(k, v) turns their k, v [B, H, T, K] into
-    (the key/value blocks to attend over, whatever the caller keeps) -> (x [B, T, D], that kept value)."""
-    eps = config.layer_norm_epsilon
-    q, k, v = qkv(p["attn"], layer_norm(p["ln_1"], x, eps), config)
-    blocks, kept = kv_blocks(k, v)
-    out = attend(q, blocks, attn_scale(config, i))
-    x = x + project_heads(p["attn"]["c_proj"], out)
-    return x + mlp(p["mlp"], layer_norm(p["ln_2"], x, eps), config), kept
-
-
 def forward_cached(params: Params, tokens: jax.Array, cache: KVCache, config: GPT2Config,
-                   last_only: bool = False, empty: bool = False) -> tuple[jax.Array, KVCache]:
-    """tokens [B, T] placed at slots [end, end + T) -> (logits [B, T or 1, V], updated cache).
-
-    Unstacked params (params["h"] a list, see params.unstack_layers) run as a Python loop over
-    per-layer caches: each layer writes its new K/V into its cache with dynamic_update_slice, in
-    place, then attends over the updated cache. Separate weight buffers let XLA's CPU matmuls read
-    them directly (slicing a stacked array inside a loop copies it), and write-then-read keeps the
-    cache update in place (reading the old cache and then writing it makes XLA copy the whole cache
-    every step): 1.4x faster decode at batch 1. Stacked params (leaves [L, ...]) run as a lax.scan
-    that only reads the [L, B, H, S, K] cache; the new K/V of all layers are written after it.
-    empty=True (prefill into a fresh cache) attends over the new tokens alone."""
-    T = tokens.shape[1]
-    slots = cache.end + jnp.arange(T, dtype=jnp.int32)  # [T]
-    positions = jnp.maximum(slots[None, :] - cache.start[:, None], 0)  # [B, T]; left padding -> 0
-    mine = slots[None, None, :] >= cache.start[:, None, None]
-    new_mask = causal_mask(T) & mine  # [B, T, T]: among the new tokens
-    x = constrain(embed(params, tokens, positions), "BTD")
-    if isinstance(params["h"], (list, tuple)):
-        s = jnp.arange(cache.capacity)
-        full_mask = (s[None, None, :] >= cache.start[:, None, None]) & (s[None, None, :] <= slots[None, :, None])
-        ks, vs = [], []
-        for i, p in enumerate(params["h"]):
-            def kv_blocks(k, v, i=i):
-                kc, vc = write(cache.k[i], k, cache.end), write(cache.v[i], v, cache.end)
-                return ([(k, v, new_mask)] if empty else [(kc, vc, full_mask)]), (kc, vc)
-
-            x, (kc, vc) = _cached_layer(p, i, x, config, kv_blocks)
-            ks.append(kc)
-            vs.append(vc)
-        k_all, v_all = tuple(ks), tuple(vs)
-    else:
-        old_mask = key_mask(cache, T)  # [B, T, S]: this row's earlier slots
-
-        def step(x, layer):
-            p, i = layer
-            k_old = jax.lax.dynamic_index_in_dim(cache.k, i, keepdims=False)
-            v_old = jax.lax.dynamic_index_in_dim(cache.v, i, keepdims=False)
-
-            def kv_blocks(k, v):
-                new = [(k, v, new_mask)]
-                return (new if empty else [(k_old, v_old, old_mask)] + new), (k, v)
-
-            return _cached_layer(p, i, x, config, kv_blocks)
-
-        x, (k_new, v_new) = jax.lax.scan(step, x, (params["h"], jnp.arange(config.n_layer)))
-        k_all, v_all = write(cache.k, k_new, cache.end), write(cache.v, v_new, cache.end)
-    logits = unembed(params, x[:, -1:] if last_only else x, config)
-    return logits, cache._replace(k=k_all, v=v_all, end=cache.end + T)
+                   last: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+    """tokens [B, T] into row b's slots [lengths[b], lengths[b] + T) -> (logits [B, T, V], cache with
+    lengths + T). last [B]: return only the logits at that index of each row ([B, 1, V]; a prefill
+    needs just each prompt's last token). The blocks are the ones forward runs: each writes its new
+    K/V into the cache, then attends over every slot up to the token's own."""
+    B, T = tokens.shape
+    slots = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)  # [B, T]: = the tokens' positions
+    view = CacheView(cache.k, cache.v, cache.lengths, visible(cache.lengths, T, cache.capacity))
+    # Slots past the context only ever hold padding (a finished row, a prompt's right padding): clamping
+    # their position keeps the cache finite, since a masked slot's value still meets a zero weight.
+    x = constrain(embed(params, tokens, jnp.minimum(slots, config.n_positions - 1)), "BTD")
+    x, view = run_blocks(params, x, config, view)
+    if last is not None:
+        x = jnp.take_along_axis(x, last[:, None, None], axis=1)  # [B, 1, D]
+    return unembed(params, x, config), KVCache(view.k, view.v, cache.lengths + T)

@@ -1,4 +1,4 @@
-"""Host-side preparation of a generation batch: ragged prompts -> left-padded, bucketed arrays, keys, stop ids."""
+"""Host-side preparation of a generation batch: ragged prompts -> right-padded, bucketed arrays, keys, stop ids."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ MIN_BUCKET = 16
 
 
 class Batch(NamedTuple):
-    tokens: np.ndarray  # [B, P] int32, left-padded; slots before start[b] are never attended
-    start: np.ndarray  # [B] int32: first slot of row b's prompt (P - its length)
+    tokens: np.ndarray  # [B, P] int32: row b's prompt in [0, lengths[b]), then padding that is never attended
+    lengths: np.ndarray  # [B] int32: prompt lengths
     keys: Any  # [B] PRNG keys
     capacity: int  # S = P + steps, the cache size
     steps: int  # N, decode steps compiled (max_new_tokens rounded up)
@@ -48,7 +48,8 @@ def as_prompts(prompts: Any) -> list[list[int]]:
 
 
 def make_batch(prompts: Any, config: GPT2Config, max_new_tokens: int) -> Batch:
-    """Check prompts and lengths, then left-pad into a bucketed [B, P] array."""
+    """Check prompts and lengths, then right-pad into a bucketed [B, P] array: every prompt starts at
+    slot 0, its tokens at the positions a full forward gives them (see gpt2_jax.cache)."""
     rows = as_prompts(prompts)
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
@@ -65,9 +66,9 @@ def make_batch(prompts: Any, config: GPT2Config, max_new_tokens: int) -> Batch:
     P = bucket(int(lengths.max()), config.n_positions)
     tokens = np.zeros((len(rows), P), np.int32)  # the padding value is never read: attention masks it
     for b, p in enumerate(rows):
-        tokens[b, P - len(p):] = p
+        tokens[b, : len(p)] = p
     steps = bucket(int(max_new_tokens), config.n_positions)
-    return Batch(tokens, P - lengths, None, P + steps, steps, len(rows))
+    return Batch(tokens, lengths, None, P + steps, steps, len(rows))
 
 
 def check_stop_args(eos_id: Any, stop_ids: Any, config: GPT2Config, max_stop: int) -> tuple[np.ndarray, np.ndarray]:

@@ -1,10 +1,11 @@
 """Many devices: a ("data", "model") mesh, Megatron-style tensor parallelism and data parallelism.
 
 Parameters (PartitionSpecs; the L axis of stacked leaves is never split):
-  attn.c_attn  weight [L, D, 3, D], bias [L, 3, D]  split by heads: the last axis (H x K) over "model"
-  attn.c_proj  weight [L, D, D]                     split by heads: its input rows over "model"
-  mlp.c_fc     weight [L, D, F],   bias [L, F]      split by columns: F over "model"
-  mlp.c_proj   weight [L, F, D]                     split by rows: F over "model"
+  attn.c_attn  weight [L, 3, D, D], bias [L, 3, D]  split by heads: the output axis (H x K) over "model"
+  attn.c_proj  weight [L, D, D]                     split by heads: its input axis over "model"
+  mlp.c_fc     weight [L, F, D],   bias [L, F]      split by outputs: F over "model"
+  mlp.c_proj   weight [L, D, F]                     split by inputs: F over "model"
+  (linear weights are [out, in]; per-layer params have the same leaves without the L axis)
   c_proj biases, LayerNorms, wpe                    replicated (each bias is added once, after the reduction)
   wte [V, D]   vocab rows over "model" when "model" divides V (nanoGPT's padded 50304), else replicated.
                GPT-2's V = 50257 = 29 x 1733 divides by no mesh size below 29, and JAX shards only
@@ -36,9 +37,9 @@ _LETTER_AXIS = {"B": "data", "H": "model", "F": "model"}
 # (module, leaf) -> the axis of that leaf split over "model" (negative: counted from the end,
 # so stacked [L, ...] and per-layer leaves share the rule). int8 "scale" follows its output axis.
 _MODEL_AXIS = {
-    ("c_attn", "weight"): -1, ("c_attn", "bias"): -1, ("c_attn", "scale"): -1,
-    ("c_fc", "weight"): -1, ("c_fc", "bias"): -1, ("c_fc", "scale"): -1,
-    ("c_proj", "weight"): -2,
+    ("c_attn", "weight"): -2, ("c_attn", "bias"): -1, ("c_attn", "scale"): -1,
+    ("c_fc", "weight"): -2, ("c_fc", "bias"): -1, ("c_fc", "scale"): -1,
+    ("c_proj", "weight"): -1,
 }  # fmt: skip
 
 

@@ -17,7 +17,7 @@ import optax
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import ConfigError
 from gpt2_jax.model import apply
-from gpt2_jax.params import Params
+from gpt2_jax.params import Params, stack_layers
 from gpt2_jax.sharding import constrain, mesh_of, on_mesh
 
 _DECAYED = ("c_attn", "c_proj", "c_fc")
@@ -47,7 +47,10 @@ def loss_fn(params: Params, tokens: jax.Array, config: GPT2Config, *, key: jax.A
     if train and key is None:
         raise ConfigError("loss_fn(train=True) needs a PRNG key for dropout")
     tokens = constrain(tokens, "BT")  # on a mesh: data parallel, each "data" slice takes its rows
-    logits = apply(params, tokens[:, :-1], config, key if train else None)
+    # The layers stacked: their scan slices each weight (a copy that is nothing next to B x T tokens of
+    # work), and the backward pass stays a plain scan (per-layer buffers are read through lax.switch,
+    # whose backward adds a zero cotangent for every layer at every layer). A no-op for stacked params.
+    logits = apply(stack_layers(params), tokens[:, :-1], config, key if train else None)
     logp = jax.nn.log_softmax(logits, axis=-1)
     return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1).mean()
 

@@ -45,7 +45,7 @@ def initial_params(init: str, config: GPT2Config | None, key: jax.Array) -> tupl
     if init == "scratch":
         if config is None:
             raise ConfigError("--init scratch needs --config (a preset name or JSON)")
-        return init_params(key, config), config
+        return init_params(key, config, stacked=True), config  # training steps the stacked form
     from gpt2_jax.loading import load
 
     params, found = load(init, dtype="float32")
