@@ -186,10 +186,10 @@ def _stream(params, config, batch, settings, stop, args, enc, cache, out) -> int
     from gpt2_jax.generate import decode_step, prefill
 
     t0 = time.perf_counter()
-    run_prefill = prefill.lower(params, batch.tokens, batch.start, batch.keys, config, batch.capacity).compile()
-    shapes = jax.eval_shape(prefill, params, batch.tokens, batch.start, batch.keys, config, batch.capacity)
-    state = jax.tree.map(lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), shapes,
-                         run_prefill.output_shardings)  # on a mesh: compile the step for prefill's layout
+    lowered = prefill.lower(params, batch.tokens, batch.start, batch.keys, config, batch.capacity)
+    run_prefill = lowered.compile()  # its shapes come from the lowering: no second trace (jax.eval_shape)
+    state = jax.tree.map(lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+                         lowered.out_info, run_prefill.output_shardings)  # on a mesh: the step gets prefill's layout
     run_step = decode_step.lower(params, state, settings, stop, config).compile()
     t1 = time.perf_counter()
     text = TextStream(enc, out)
