@@ -134,10 +134,15 @@ def _generate(args: argparse.Namespace) -> int:
         raise GPT2JaxError(f"--num-samples must be >= 1, got {args.num_samples}")
     if args.stream and args.num_samples != 1:
         raise GPT2JaxError("--stream prints one sample; use --num-samples 1")
+    joined = cli_train.join(args)
+    out = _own_stdout() if joined else sys.stdout  # before the first collective, which prints from C++
     args.seed_drawn = args.seed is None
     if args.seed_drawn:  # a fresh seed each run, printed so the run can be repeated
         args.seed = secrets.randbelow(1_000_000)
-    out = _own_stdout() if cli_train.join(args) else sys.stdout
+        if joined:  # every process must sample with process 0's seed
+            from jax.experimental.multihost_utils import broadcast_one_to_all
+
+            args.seed = int(broadcast_one_to_all(np.int32(args.seed)))
     mesh = parse_mesh(args.mesh) if args.mesh else None
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     enc = tokenizer()
