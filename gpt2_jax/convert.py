@@ -26,8 +26,20 @@ def convert(src: str | Path, dst: str | Path, *, dtype: Any = None, force: bool 
     return dst
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each option's default, except unset ones (None, False) and those whose help names it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False or action.default == argparse.SUPPRESS \
+                or "default" in (action.help or ""):  # fmt: skip
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    parser = parser or argparse.ArgumentParser(prog="convert_pytorch.py", description=__doc__)
+    """convert's arguments, on parser (gpt2-jax convert) or a new one (convert/convert_pytorch.py)."""
+    parser = parser or argparse.ArgumentParser(prog="convert_pytorch.py", description=__doc__,
+                                               formatter_class=HelpFormatter)  # fmt: skip
     parser.add_argument("src", help="HF directory, .safetensors/.bin file, nanoGPT ckpt.pt, or gpt2_jax checkpoint")
     parser.add_argument("dst", help="output directory (written atomically)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="cast the weights (default: keep)")

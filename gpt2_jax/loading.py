@@ -59,6 +59,21 @@ def place(params: Params, config: GPT2Config, mesh: Any = None) -> Params:
     return shard_params(params, config, mesh)
 
 
+def _training_run(path: Path) -> Path:
+    """A gpt2-jax train --out directory (or one of its checkpoints) -> the run's model/; other paths unchanged.
+    The training checkpoints hold params and optimizer state but no config, so they are not loaded."""
+    run = path.parent.parent if path.parent.name == "checkpoints" and path.name.isdigit() else path
+    if not (run / "checkpoints").is_dir() or checkpoint.is_checkpoint(path):
+        return path
+    if checkpoint.is_checkpoint(run / "model") and run == path:
+        return run / "model"
+    what = "a training checkpoint (params + optimizer state, no config)" if run != path else "a training run"
+    if checkpoint.is_checkpoint(run / "model"):
+        raise CheckpointError(f"{path}: {what}; load the run's final model: --model {run / 'model'}")
+    raise CheckpointError(f"{path}: {what} that has not written model/ yet; finish it with gpt2-jax train "
+                          f"--resume --out {run} (same arguments), then use --model {run / 'model'}")
+
+
 def load(path: str | Path, *, dtype: Any = None, config: GPT2Config | None = None,
          mesh: Any = None) -> tuple[Params, GPT2Config]:
     """Any supported checkpoint -> (params, config), each layer's tensors their own buffers (the fast form
@@ -68,6 +83,7 @@ def load(path: str | Path, *, dtype: Any = None, config: GPT2Config | None = Non
     dtype = resolve_dtype(dtype)
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
+    path = _training_run(path)
     if checkpoint.is_checkpoint(path):
         params, config = checkpoint.restore(path, dtype, mesh)
         return unstack_layers(params), config

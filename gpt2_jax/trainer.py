@@ -8,8 +8,10 @@ computes exactly the losses the uninterrupted run did.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -55,12 +57,20 @@ def initial_params(init: str, config: GPT2Config | None, key: jax.Array) -> tupl
     return stack_layers(params), found
 
 
-def _writable(out: Path) -> None:
+def _check_writable(out: Path) -> None:
+    """Fail, creating nothing, unless out is (or can be created as) a writable directory."""
+    probe = out
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise GPT2JaxError(f"--out {out} is not writable ({probe} is not a directory)")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise GPT2JaxError(f"--out {out} is not writable (permission denied on {probe})")
+
+
+def _make_dir(out: Path) -> None:
     try:
         out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".write-test-{jax.process_index()}"
-        probe.write_text("")
-        probe.unlink()
     except OSError as e:
         raise GPT2JaxError(f"--out {out} is not writable ({e.strerror})") from None
 
@@ -79,16 +89,31 @@ def train(data: str, out: str, *, config: GPT2Config | None, init: str, hyper: H
     and tensor-parallel; checkpoints are written shard by shard and restored into the same layout.
     With several processes (gpt2_jax.distributed) every one runs this with the same arguments, on
     one shared file system; process 0 writes history.json and loss.png."""
-    import orbax.checkpoint as ocp
-
     out_dir = Path(out)
-    _writable(out_dir)
+    # Everything that can be wrong with the arguments is checked before anything is written.
+    _check_writable(out_dir)
     tokens = TokenData(data)
     key = jax.random.key(seed)
     params, config = initial_params(init, config, jax.random.fold_in(key, 0))
     if block_size > config.n_positions:
         raise ConfigError(f"--block-size {block_size} exceeds the model's context n_positions={config.n_positions}")
     tokens.check_block_size(block_size)
+    created = not out_dir.exists()
+    _make_dir(out_dir)
+    try:
+        return _run(out_dir, tokens, key, params, config, hyper, batch_size, block_size, accum, eval_every,
+                    eval_batches, ckpt_every, resume, progress, mesh)  # fmt: skip
+    except BaseException:
+        if created and jax.process_index() == 0 and not any((out_dir / "checkpoints").glob("[0-9]*")):
+            shutil.rmtree(out_dir, ignore_errors=True)  # nothing worth keeping (no checkpoint to resume from)
+        raise
+
+
+def _run(out_dir: Path, tokens: TokenData, key: jax.Array, params: Params, config: GPT2Config, hyper: Hyper,
+         batch_size: int, block_size: int, accum: int, eval_every: int, eval_batches: int, ckpt_every: int,
+         resume: bool, progress: bool, mesh: Any) -> dict[str, Any]:
+    import orbax.checkpoint as ocp
+
     if mesh is not None:
         params = shard_params(params, config, mesh)  # AdamW's moments inherit this layout
     optimizer = make_optimizer(hyper)
@@ -110,13 +135,14 @@ def train(data: str, out: str, *, config: GPT2Config | None, init: str, hyper: H
     val_batches = np.stack([tokens.batch("val", jax.random.fold_in(eval_key, i), batch_size, block_size)
                             for i in range(eval_batches)])  # fixed: every eval scores the same windows
     bar = _progress(int(state.step), hyper.steps, progress)
-    t0, seen = time.perf_counter(), 0
+    rate = RecentRate()
     for s in range(int(state.step), hyper.steps):
+        t0 = time.perf_counter()
         batch = np.stack([tokens.batch("train", jax.random.fold_in(jax.random.fold_in(data_key, s), a), batch_size,
                                        block_size) for a in range(accum)])  # fmt: skip
         state, metrics = step_fn(state, batch, jax.random.fold_in(drop_key, s))
-        history["loss"].append(float(metrics["loss"]))
-        seen += batch.size - batch.shape[0] * batch.shape[1]
+        history["loss"].append(float(metrics["loss"]))  # waits for the step: the time below is the step's
+        rate.add(time.perf_counter() - t0, batch.size - batch.shape[0] * batch.shape[1])
         done = s + 1
         if done % eval_every == 0 or done == hyper.steps:
             history["val"].append([done, eval_loss(state.params, val_batches, config)])
@@ -126,13 +152,32 @@ def train(data: str, out: str, *, config: GPT2Config | None, init: str, hyper: H
             _write_json(out_dir / "history.json", history)
         bar.update(1)
         bar.set_postfix(loss=f"{history['loss'][-1]:.3f}", val=f"{history['val'][-1][1]:.3f}" if history["val"] else "-",
-                        tok_s=f"{seen / (time.perf_counter() - t0):.0f}")  # fmt: skip
+                        tok_s=f"{rate.rate():.0f}", first_step=f"{rate.first_s:.1f}s")  # fmt: skip
+    history["first_step_s"], history["tokens_per_s"] = rate.first_s, rate.rate()
     bar.close()
     checkpoint.save(out_dir / "model", state.params, config, force=True)
     _write_json(out_dir / "history.json", history)
     if jax.process_index() == 0:
         plot_history(history, out_dir / "loss.png")
     return history
+
+
+class RecentRate:
+    """Training tokens/s over the last `window` steps, excluding the first step (which compiles; its time,
+    compile included, is first_s). Eval and checkpoint time are not steps, so they are not counted."""
+
+    def __init__(self, window: int = 20):
+        self.first_s, self.steps = 0.0, collections.deque(maxlen=window)
+
+    def add(self, seconds: float, n_tokens: int) -> None:
+        if self.first_s == 0.0:
+            self.first_s = seconds
+        else:
+            self.steps.append((seconds, n_tokens))
+
+    def rate(self) -> float:
+        seconds = sum(t for t, _ in self.steps)
+        return sum(n for _, n in self.steps) / seconds if seconds > 0 else 0.0
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -153,12 +198,10 @@ def _progress(start: int, total: int, enabled: bool):
 
 def plot_history(history: dict[str, Any], path: Path) -> None:
     """Training loss per step, val loss per eval, and the unigram baseline, as a PNG."""
-    import matplotlib
+    from matplotlib.figure import Figure  # a Figure of its own: no pyplot, the caller's backend is untouched
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig = Figure(figsize=(7, 4), layout="constrained")
+    ax = fig.subplots()
     ax.plot(np.arange(1, len(history["loss"]) + 1), history["loss"], label="train loss", alpha=0.7)
     if history["val"]:
         steps, vals = zip(*history["val"])
@@ -168,6 +211,6 @@ def plot_history(history: dict[str, Any], path: Path) -> None:
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    tmp = Path(path).with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=100)
+    os.replace(tmp, path)

@@ -11,3 +11,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _FLAG = "--xla_force_host_platform_device_count=8"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}".strip()
+
+# gpt2-jax's CLI keeps JAX's compiled programs in ~/.cache by default; tests that call main() do not.
+os.environ.setdefault("GPT2_JAX_COMPILATION_CACHE", "off")

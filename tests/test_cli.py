@@ -1,9 +1,12 @@
-"""The gpt2-jax command line: generate (plain, streamed, stdin, samples), hub ids, convert, one-line errors."""
+"""The gpt2-jax command line: generate (plain, streamed, stdin, samples), hub ids, convert, one-line errors,
+seeds, --help defaults, the persistent compilation cache."""
 
 import io
+import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -11,11 +14,12 @@ import pytest
 
 import gpt2_jax
 from gpt2_jax import hub
-from gpt2_jax.cli import main
+from gpt2_jax.cli import build_parser, compile_cache_dir, main
 from gpt2_jax.generate import generate
 from tests.reference import make_hf_model
 
-SUMMARY = re.compile(r"^gpt2-jax: \d+ tokens in [\d.]+ s \([\d.]+ tokens/s\), compile [\d.]+ s, KV cache [\d.]+ [KM]iB$")
+SUMMARY = re.compile(r"^gpt2-jax: \d+ tokens in [\d.]+ s \([\d.]+ tokens/s\), compile [\d.]+ s, KV cache [\d.]+ [KM]iB, "
+                     r"seed \d+(; --seed \d+ reproduces this)?$")
 
 
 @pytest.fixture(scope="module")
@@ -119,3 +123,56 @@ def test_bundled_model_is_the_offline_default(capsys, monkeypatch):
     assert SUMMARY.match(err.strip()), err
     params, config = gpt2_jax.load(BUNDLED_MODEL)
     assert config.vocab_size == 50257 and params["wte"].dtype == jax.numpy.bfloat16
+
+
+def test_no_seed_draws_one_and_prints_how_to_reproduce(hf_dir, capsys):
+    args = ["generate", "--model", str(hf_dir), "--prompt", "Hello", "--max-new-tokens", "10"]
+    code, drawn, err = run(capsys, *args)
+    seed = re.search(r"seed (\d+); --seed (\d+) reproduces this$", err.strip())
+    assert code == 0 and seed and seed.group(1) == seed.group(2), err
+    code, again, err = run(capsys, *args, "--seed", seed.group(1))
+    assert code == 0 and again == drawn
+    assert err.strip().endswith(f"seed {seed.group(1)}")  # given, so nothing to add
+
+
+@pytest.mark.parametrize("argv,option,default", [
+    (["generate"], "--max-new-tokens", "100"),
+    (["generate"], "--top-p", "1.0"),
+    (["train"], "--block-size", "256"),
+    (["train"], "--lr", "0.0006"),
+    (["data", "prepare"], "--val-fraction", "0.1"),
+    (["convert"], "--dtype", "keep"),
+])  # fmt: skip
+def test_help_shows_defaults(capsys, monkeypatch, argv, option, default):
+    monkeypatch.setenv("COLUMNS", "200")
+    with pytest.raises(SystemExit) as done:
+        build_parser().parse_args([*argv, "--help"])
+    assert done.value.code == 0
+    entries = re.split(r"\n  (?=-)", capsys.readouterr().out)  # one per option, its help wrapped onto more lines
+    entry = " ".join(next(e for e in entries if e.startswith(option + " ")).split())
+    assert entry.endswith(f"(default: {default})"), entry
+
+
+def test_compile_cache_dir(tmp_path):
+    assert compile_cache_dir({}) == Path.home() / ".cache" / "gpt2_jax" / "jax-cache"  # on by default
+    assert compile_cache_dir({"XDG_CACHE_HOME": "/x/cache"}) == Path("/x/cache/gpt2_jax/jax-cache")
+    assert compile_cache_dir({"GPT2_JAX_COMPILATION_CACHE": str(tmp_path)}) == tmp_path
+    for off in ("off", "0", "OFF"):
+        assert compile_cache_dir({"GPT2_JAX_COMPILATION_CACHE": off}) is None
+    assert compile_cache_dir({"GPT2_JAX_COMPILATION_CACHE": str(tmp_path)}, disabled=True) is None
+
+
+def test_cli_fills_the_compilation_cache_unless_told_not_to(hf_dir, tmp_path):
+    def generate(*extra, cache):
+        env = {**os.environ, "GPT2_JAX_COMPILATION_CACHE": str(cache)}
+        out = subprocess.run([sys.executable, "-m", "gpt2_jax", "generate", "--model", str(hf_dir), "--prompt", "hi",
+                              "--max-new-tokens", "4", "--seed", "1", "--stream", *extra], capture_output=True,
+                             text=True, env=env)  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    first = generate(cache=tmp_path / "jc")
+    assert len(list((tmp_path / "jc").iterdir())) >= 2  # prefill and the decode step, at least
+    assert generate(cache=tmp_path / "jc") == first  # the second run reads them back
+    generate("--no-compile-cache", cache=tmp_path / "unused")
+    assert not (tmp_path / "unused").exists()

@@ -7,6 +7,7 @@ What this does not test: real networks between machines, GPUs/NCCL, or more than
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -84,7 +85,7 @@ def test_the_cli_across_two_processes(model):
     path, params, config = model
     port = _free_port()
     args = ["generate", "--model", str(path), "--prompt", "The cat", "--max-new-tokens", "8", "--top-k", "20",
-            "--num-samples", "3"]  # fmt: skip
+            "--num-samples", "3", "--seed", "4"]  # fmt: skip
     single = subprocess.run([sys.executable, "-m", "gpt2_jax", *args], cwd=ROOT, capture_output=True, text=True,
                             env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=300)  # fmt: skip
     assert single.returncode == 0, single.stderr[-2000:]
@@ -94,6 +95,19 @@ def test_the_cli_across_two_processes(model):
     assert p0.stdout == single.stdout and single.stdout.count("--- sample") == 3
     assert p1.stdout == ""  # every process computes; only process 0 prints
     assert "tokens/s" in p0.stderr and "tokens/s" not in p1.stderr
+
+
+def test_a_drawn_seed_is_process_0s_everywhere(model):
+    path, _, _ = model
+    port = _free_port()
+    args = ["generate", "--model", str(path), "--prompt", "The cat", "--max-new-tokens", "8", "--num-samples", "2"]
+    p0, _ = _run_two(lambda i: [sys.executable, "-m", "gpt2_jax", *args, "--mesh", "data=2,model=2", "--coordinator",
+                                f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)])  # fmt: skip
+    seed = re.search(r"seed (\d+); --seed \1 reproduces this", p0.stderr)
+    assert seed, p0.stderr[-2000:]
+    single = subprocess.run([sys.executable, "-m", "gpt2_jax", *args, "--seed", seed.group(1)], cwd=ROOT,
+                            capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=300)
+    assert single.returncode == 0 and single.stdout == p0.stdout  # both rows sampled with process 0's seed
 
 
 def test_training_across_two_processes_matches_one_and_resumes(tmp_path):

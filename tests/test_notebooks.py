@@ -1,19 +1,24 @@
-"""Every notebook runs top to bottom in a real Jupyter kernel, and is stored without outputs."""
+"""Every notebook runs top to bottom in a real Jupyter kernel, draws the figures it should, and is stored
+without outputs; the shell commands 05 prints parse with the CLI's own argument parsers."""
 
+import shlex
 from pathlib import Path
 
 import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from gpt2_jax import convert
+from gpt2_jax.cli import build_parser
+
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
+# image/png outputs each must show: one per plotting cell (a backend switched off draws none).
+FIGURES = {"01_architecture": 1, "02_mlp_and_gelu": 2, "03_attention_and_kv_cache": 4, "04_sampling": 2,
+           "05_convert_and_generate": 0, "06_training": 1}  # fmt: skip
 
 
 def test_there_are_notebooks():
-    assert [p.stem for p in NOTEBOOKS][:6] == [
-        "01_architecture", "02_mlp_and_gelu", "03_attention_and_kv_cache", "04_sampling", "05_convert_and_generate",
-        "06_training",
-    ]  # fmt: skip
+    assert [p.stem for p in NOTEBOOKS][:6] == list(FIGURES)
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
@@ -24,9 +29,35 @@ def test_stored_without_outputs(path):
             assert cell.outputs == [] and cell.execution_count is None, f"{path.name} cell {i} has stored output"
 
 
+def printed_commands(nb) -> list[list[str]]:
+    """The shell commands a notebook prints ("$ ..." lines), split as a shell would."""
+    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs
+                   if o.output_type == "stream")  # fmt: skip
+    return [shlex.split(line[2:]) for line in text.splitlines() if line.startswith("$ ")]
+
+
+def check_parses(argv: list[str]) -> None:
+    """argv as pasted into a shell: gpt2-jax ... or python convert/convert_pytorch.py ..."""
+    if argv[0] == "gpt2-jax":
+        build_parser().parse_args(argv[1:])  # argparse exits (SystemExit) on anything it cannot parse
+    else:
+        assert argv[0] == "python" and argv[1].endswith("convert/convert_pytorch.py"), argv
+        convert.build_parser().parse_args(argv[2:])
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs(path):
     nb = nbformat.read(path, as_version=4)
     NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
-    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
-    assert not errors
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    figures = [o for o in outputs if "image/png" in o.get("data", {})]
+    assert len(figures) == FIGURES.get(path.stem, len(figures)), f"{path.name} drew {len(figures)} figures"
+    if path.stem == "05_convert_and_generate":
+        commands = printed_commands(nb)
+        assert [argv[:2] for argv in commands] == [["python", str(path.parents[1] / "convert" / "convert_pytorch.py")],
+                                                   ["gpt2-jax", "generate"]]  # fmt: skip
+        for argv in commands:
+            check_parses(argv)
+        stderr = [o["text"] for o in outputs if o.output_type == "stream" and o.name == "stderr"]
+        assert not stderr, stderr  # no progress bars or IProgress warnings

@@ -181,8 +181,19 @@ def test_train_cli_and_fine_tune(data_dir, tmp_path, capsys):
     assert main(["train", "--data", str(data_dir), "--init", str(tmp_path / "a" / "model"), "--out",
                  str(tmp_path / "b"), "--steps", "2", "--batch-size", "2", "--block-size", "16", "--warmup", "1",
                  "--no-progress"]) == 0  # fmt: skip
-    code = main(["generate", "--model", str(tmp_path / "b" / "model"), "--prompt", "to be", "--max-new-tokens", "5"])
-    assert code == 0 and capsys.readouterr().out.startswith("to be")
+    code = main(["generate", "--model", str(tmp_path / "b" / "model"), "--prompt", "to be", "--max-new-tokens", "5",
+                 "--seed", "0"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0 and out.startswith("to be")
+    # The run directory itself loads its model/; a training checkpoint (no config) is an error naming model/.
+    code = main(["generate", "--model", str(tmp_path / "b"), "--prompt", "to be", "--max-new-tokens", "5", "--seed", "0"])
+    assert code == 0 and capsys.readouterr().out == out
+    history = json.loads((tmp_path / "a" / "history.json").read_text())
+    assert history["first_step_s"] > 0 and history["tokens_per_s"] > 0
+    code = main(["generate", "--model", str(tmp_path / "a" / "checkpoints" / "4"), "--prompt", "x"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err == (f"error: {tmp_path / 'a' / 'checkpoints' / '4'}: a training checkpoint (params + "
+                                 f"optimizer state, no config); load the run's final model: --model {tmp_path / 'a' / 'model'}")
 
 
 def test_bad_training_input(data_dir, tmp_path, capsys):
@@ -196,26 +207,43 @@ def test_bad_training_input(data_dir, tmp_path, capsys):
     (tmp_path / "short").mkdir()
     (tmp_path / "short" / "a.txt").write_text("to be or not to be " * 5)
     prepare(tmp_path / "short", tmp_path / "short_data")
-    base = ["train", "--config", json.dumps(TINY.to_dict()), "--steps", "2", "--batch-size", "2", "--no-progress"]
+    base = ["train", "--steps", "2", "--batch-size", "2", "--no-progress"]
+    cfg = ["--config", json.dumps(TINY.to_dict())]
     cases = [
-        (["--data", str(tmp_path / "short_data"), "--block-size", "32", "--out", str(tmp_path / "o1")],
+        ([*cfg, "--data", str(tmp_path / "short_data"), "--block-size", "32", "--out", str(tmp_path / "o1")],
          "split has .* tokens, fewer than block_size \\+ 1 = 33"),
-        (["--data", str(data_dir), "--block-size", "16", "--out", str(tmp_path / "o2"), "--init",
+        ([*cfg, "--data", str(data_dir), "--block-size", "16", "--out", str(tmp_path / "o2"), "--init",
           str(tmp_path / "missing")], "no such file or directory"),
-        (["--data", str(tmp_path / "empty"), "--block-size", "16", "--out", str(tmp_path / "o3")],
+        ([*cfg, "--data", str(tmp_path / "empty"), "--block-size", "16", "--out", str(tmp_path / "o3")],
          "not a prepared data directory"),
-        (["--data", str(data_dir), "--block-size", "100", "--out", str(tmp_path / "o4")],
+        ([*cfg, "--data", str(data_dir), "--block-size", "100", "--out", str(tmp_path / "o4")],
          "--block-size 100 exceeds the model's context n_positions=64"),
+        (["--data", str(data_dir), "--block-size", "16", "--out", str(tmp_path / "o5")],
+         "--init scratch needs --config"),
+        ([*cfg, "--data", str(tmp_path / "no-such-data"), "--block-size", "16", "--out", str(tmp_path / "o6")],
+         "not a prepared data directory"),
     ]  # fmt: skip
     (tmp_path / "file").write_text("not a directory")
-    cases.append((["--data", str(data_dir), "--block-size", "16", "--out", str(tmp_path / "file" / "out")],
+    cases.append(([*cfg, "--data", str(data_dir), "--block-size", "16", "--out", str(tmp_path / "file" / "out")],
                   "is not writable"))
     for extra, message in cases:
         assert main(base + extra) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and __import__("re").search(message, err), err
-    for out in ("o1", "o2", "o3", "o4"):  # nothing half-written
-        assert not (tmp_path / out / "checkpoints").exists() or not any((tmp_path / out / "checkpoints").iterdir())
+    for out in ("o1", "o2", "o3", "o4", "o5", "o6"):  # a failed run leaves no --out behind, not even an empty one
+        assert not (tmp_path / out).exists(), out
+    assert not (tmp_path / "file" / "out").exists()
+
+
+def test_recent_rate_leaves_out_the_compiling_first_step():
+    from gpt2_jax.trainer import RecentRate
+
+    rate = RecentRate(window=3)
+    rate.add(12.0, 100)  # the first step: compile included
+    assert rate.first_s == 12.0 and rate.rate() == 0.0
+    for seconds in (1.0, 1.0, 0.5, 0.25, 0.25):
+        rate.add(seconds, 100)
+    assert rate.rate() == 300 / 1.0  # the last three steps only
 
 
 def test_init_config_mismatch(data_dir, tmp_path, capsys):
