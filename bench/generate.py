@@ -1,38 +1,59 @@
-"""Decode speed of gpt2_jax against transformers (PyTorch), measured in the same run on the same checkpoint.
+"""Decode and prefill speed of gpt2_jax against transformers (PyTorch) and against the machine's bound,
+measured in the same run on the same checkpoint.
 
-    python bench/generate.py [--repeats 3] [--threads 2]
+    python bench/generate.py [--repeats 3] [--threads N] [--skip-xl]
 
-One random-weight 124M GPT-2 is saved with save_pretrained and loaded by both libraries. Decode
-time per step is (time for 128 new tokens - time for 1 new token) / 127, so the 32-token prefill
-cancels out. Prints ratios (gpt2_jax tokens/s over transformers tokens/s; > 1 means faster),
-prefill time for 512 tokens, first-call compile time, cache bytes and the bandwidth bound.
+One random-weight 124M GPT-2 is saved with save_pretrained and loaded by both libraries (gpt2_jax.load
+gives the params every user gets). Decode time per step is (time for 128 new tokens - time for 1) / 127,
+so the 32-token prefill cancels out. Prefill is 512 prompt tokens and one new token in both libraries.
+
+The bound of a row is the larger of its bytes over the measured read bandwidth (decode reads every
+weight and the KV cache once per step) and its FLOPs over the measured matmul FLOP/s; "of bound" is
+measured time / bound (1.00 would be at the bound). First-call times (compile included) are measured
+in fresh processes for gpt2 and gpt2-xl widths.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 
+from machine import describe
 from timing import best_of  # bench/timing.py, beside this script
 
-PROMPT, NEW = 32, 128
+PROMPT, NEW, PREFILL = 32, 128, 512
 SAMPLED = dict(temperature=1.0, top_k=50, top_p=0.9)
 
+FIRST_CALL = """
+import json, sys, time, jax, gpt2_jax
+from gpt2_jax.compiling import CompileTimer
+config = gpt2_jax.GPT2Config.preset(sys.argv[1])
+params = gpt2_jax.init_params(jax.random.key(0), config)
+jax.block_until_ready(params)
+with CompileTimer() as c:
+    t = time.perf_counter()
+    gpt2_jax.generate(params, config, [[1] * 32], jax.random.key(0), max_new_tokens=int(sys.argv[2]), eos_id=None)
+    wall = time.perf_counter() - t
+print(json.dumps({"wall": wall, "compile": c.seconds}))
+"""
 
-def measure_bandwidth(jnp, jax) -> float:
-    """Bytes/s of a streaming read: jnp.sum over a 512 MiB float32 array (best of 5)."""
-    x = jnp.ones((128, 1024, 1024), jnp.float32)
-    total = jax.jit(lambda a: a.sum())
-    total(x).block_until_ready()
-    return x.nbytes / best_of(lambda: total(x).block_until_ready(), 5)
+
+def first_call(preset: str, new: int) -> dict:
+    out = subprocess.run([sys.executable, "-c", FIRST_CALL, preset, str(new)], capture_output=True, text=True,
+                         env={**os.environ, "GPT2_JAX_COMPILATION_CACHE": "off"}, check=True)  # fmt: skip
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--skip-xl", action="store_true", help="no gpt2-xl first call (it needs ~7 GB)")
     args = parser.parse_args()
 
     import jax
@@ -42,29 +63,37 @@ def main() -> None:
     import transformers
 
     import gpt2_jax
-    from gpt2_jax.cache import cache_bytes
-    from gpt2_jax.generate import generate
-    from gpt2_jax.params import param_bytes, stack_layers, unstack_layers
+    from gpt2_jax.params import param_bytes
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    machine = describe(jax, jnp, args.threads)
+    bw, flops = machine["bandwidth"], machine["flops"]
     path = tempfile.mkdtemp()
     transformers.GPT2LMHeadModel(transformers.GPT2Config()).save_pretrained(path)
     hf = transformers.GPT2LMHeadModel.from_pretrained(path).eval()
     params, config = gpt2_jax.load(path)
-    fast = unstack_layers(params)
-    stacked = stack_layers(fast)
-    del params
+    print(f"jax {jax.__version__}, torch {torch.__version__}, transformers {transformers.__version__}")
+
+    L, D, V = config.n_layer, config.n_embd, config.vocab_size
+    weights = param_bytes(params) - params["wpe"].nbytes  # decode reads one wpe row per token
+    block_params = config.n_params - (V + config.n_positions) * D
+
+    def bound(B: int, T: int, S: int, logits: int) -> float:
+        """Seconds: max(bytes / bandwidth, FLOPs / FLOP/s) for B rows of T new tokens over S slots."""
+        kv_bytes = 2 * L * B * S * D * 4
+        work = 2 * B * T * block_params + 2 * logits * V * D + 4 * L * B * T * S * D
+        return max((weights + kv_bytes) / bw, work / flops)
 
     rng = np.random.default_rng(0)
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform}, torch {torch.__version__} with {args.threads} threads")
 
-    def ours(p, B, n, kw):
-        prompts = rng.integers(0, 50257, (B, PROMPT)).tolist()
-        return lambda: generate(p, config, prompts, jax.random.key(0), max_new_tokens=n, eos_id=None, **kw)
+    def ours(B, n, kw, prompt=PROMPT):
+        prompts = rng.integers(0, V, (B, prompt)).tolist()
+        return lambda: gpt2_jax.generate(params, config, prompts, jax.random.key(0), max_new_tokens=n, eos_id=None,
+                                         **kw)  # fmt: skip
 
-    def theirs(B, n, kw):
-        ids = torch.as_tensor(rng.integers(0, 50257, (B, PROMPT)))
+    def theirs(B, n, kw, prompt=PROMPT):
+        ids = torch.as_tensor(rng.integers(0, V, (B, prompt)))
         sample = dict(do_sample=True, **kw) if kw else dict(do_sample=False)
 
         def run():
@@ -73,55 +102,46 @@ def main() -> None:
                             pad_token_id=50256, **sample)  # fmt: skip
         return run
 
-    t = time.perf_counter()
-    ours(fast, 1, NEW, {})()
-    first_call = time.perf_counter() - t
-
     def per_step(make) -> float:
         make(NEW)()  # warm up (and compile) both lengths
         make(1)()
         return (best_of(make(NEW), args.repeats) - best_of(make(1), args.repeats)) / (NEW - 1)
 
     rows = []
+
+    def report(name, ours_s, theirs_s, bound_s, unit="ms/step"):
+        rows.append(dict(name=name, ours=ours_s, theirs=theirs_s, bound=bound_s))
+        print(f"{name:34s} gpt2_jax {ours_s * 1e3:7.1f} {unit} | transformers {theirs_s * 1e3:7.1f} | "
+              f"ratio {theirs_s / ours_s:5.2f}x | bound {bound_s * 1e3:6.1f} ms, {ours_s / bound_s:5.2f}x of bound",
+              flush=True)  # fmt: skip
+
+    S = PROMPT + NEW
     for B in (1, 8):
-        for name, kw in (("greedy", {}), ("sampled", SAMPLED)):
-            jt = per_step(lambda n: ours(fast, B, n, {"temperature": 0.0} if not kw else kw))
+        for name, kw in (("greedy", {}), ("sampled (top-k 50, top-p 0.9)", SAMPLED)):
+            jt = per_step(lambda n: ours(B, n, {"temperature": 0.0} if not kw else kw))
             ht = per_step(lambda n: theirs(B, n, kw))
-            rows.append((B, name, jt, ht))
-            print(f"decode B={B} {name:8s} gpt2_jax {jt * 1e3:7.1f} ms/step {B / jt:7.1f} tok/s | "
-                  f"transformers {ht * 1e3:7.1f} ms/step {B / ht:7.1f} tok/s | ratio {ht / jt:5.2f}x", flush=True)
-    for B in (1, 8):
-        st = per_step(lambda n: ours(stacked, B, n, {"temperature": 0.0}))
-        fast_t = next(r[2] for r in rows if r[0] == B and r[1] == "greedy")
-        print(f"layout B={B} greedy: stacked [L,B,H,S,K] + layer scan {st * 1e3:.1f} ms/step vs "
-              f"per-layer buffers {fast_t * 1e3:.1f} ms/step ({st / fast_t:.2f}x)")
-    for B in (1, 8):
-        g = next(r[2] for r in rows if r[0] == B and r[1] == "greedy")
-        s = next(r[2] for r in rows if r[0] == B and r[1] == "sampled")
-        print(f"sampled vs greedy B={B}: {s / g:.2f}x the time per step")
+            report(f"decode B={B} {name}", jt, ht, bound(B, 1, S, B))
+    top_p = dict(temperature=1.0, top_p=0.9)
+    jt = per_step(lambda n: ours(8, n, top_p))
+    ht = per_step(lambda n: theirs(8, n, top_p))
+    report("decode B=8 top-p 0.9 only", jt, ht, bound(8, 1, S, 8))
 
-    prompt512 = rng.integers(0, 50257, (1, 512)).tolist()
+    ours_prefill, theirs_prefill = ours(1, 1, {"temperature": 0.0}, PREFILL), theirs(1, 1, {}, PREFILL)
+    ours_prefill(), theirs_prefill()
+    jt, ht = best_of(ours_prefill, args.repeats), best_of(theirs_prefill, args.repeats)
+    report(f"prefill {PREFILL} tokens + 1 new, B=1", jt, ht, bound(1, PREFILL, PREFILL + 16, 1), "ms     ")
 
-    def prefill_ours():  # max_new_tokens=1: the prompt pass plus one draw
-        generate(fast, config, prompt512, jax.random.key(0), max_new_tokens=1, temperature=0.0, eos_id=None)
-
-    prefill_ours()
-    ids = torch.as_tensor(prompt512)
-    with torch.no_grad():
-        hf(ids)
-        pt = best_of(lambda: hf(ids), args.repeats)
-    jt = best_of(prefill_ours, args.repeats)
-    print(f"prefill 512 tokens: gpt2_jax {jt * 1e3:.0f} ms | transformers forward {pt * 1e3:.0f} ms | ratio {pt / jt:.2f}x")
-
-    bw = measure_bandwidth(jnp, jax)
-    weights = param_bytes(fast)
-    print(f"first call (compile + run, B=1 greedy, 128 tokens): {first_call:.1f} s")
-    print(f"KV cache B=1 S={PROMPT + NEW}: {cache_bytes(config, 1, PROMPT + NEW)} bytes; "
-          f"B=8: {cache_bytes(config, 8, PROMPT + NEW)} bytes")
-    print(f"bandwidth bound: {weights / 1e6:.0f} MB of weights / {bw / 1e9:.1f} GB/s measured = "
-          f"{weights / bw * 1e3:.1f} ms/token at B=1")
+    print(f"KV cache at B=1, S={S}: {2 * L * S * D * 4:,} bytes; weights read per decode step: {weights / 1e6:.0f} MB")
+    for preset, new in (("gpt2", NEW), ("gpt2-xl", 16)):
+        if preset == "gpt2-xl" and args.skip_xl:
+            continue
+        fc = first_call(preset, new)
+        print(f"first call, {preset} widths ({new} new tokens, fresh process, no compile cache): "
+              f"{fc['wall']:.1f} s, of which compiling {fc['compile']:.1f} s", flush=True)
 
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    t0 = time.perf_counter()
     main()
+    print(f"(bench took {time.perf_counter() - t0:.0f} s)")

@@ -105,10 +105,9 @@ def _summary(n_tokens: int, seconds: float, compile_s: float, cache_bytes: int, 
 
 
 def _load_model(args: argparse.Namespace, mesh):
-    """--model (default: the bundled one) in --dtype, on --mesh, in the fast decode layout."""
+    """--model (default: the bundled one) in --dtype, on --mesh."""
+    from gpt2_jax import load
     from gpt2_jax.hub import resolve_model
-    from gpt2_jax.loading import load
-    from gpt2_jax.params import unstack_layers
     from gpt2_jax.precision import quantize_int8
     from gpt2_jax.sharding import shard_params
 
@@ -120,14 +119,16 @@ def _load_model(args: argparse.Namespace, mesh):
     if int8:
         params = quantize_int8(params)
         params = shard_params(params, config, mesh) if mesh else params  # the scales' layout too
-    return unstack_layers(params), config  # per-layer buffers decode faster (see model.forward_cached)
+    return params, config
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from gpt2_jax import generate, generate_stream
     from gpt2_jax.cache import cache_bytes
+    from gpt2_jax.compiling import CompileTimer
     from gpt2_jax.distributed import is_main
-    from gpt2_jax.generate import _generate, _prepare
-    from gpt2_jax.sharding import on_mesh, parse_mesh
+    from gpt2_jax.prompts import bucket
+    from gpt2_jax.sharding import parse_mesh
     from gpt2_jax.tokenizer import EOT, tokenizer
 
     if args.num_samples < 1:
@@ -148,30 +149,35 @@ def _generate(args: argparse.Namespace) -> int:
     enc = tokenizer()
     ids = enc.encode(prompt, allowed_special={"<|endoftext|>"}) or [EOT]  # an empty prompt starts from <|endoftext|>
     params, config = _load_model(args, mesh)
-    eos = EOT if EOT < config.vocab_size else None
-    batch, settings, stop, mesh = _prepare(params, config, [ids] * args.num_samples, jax.random.key(args.seed),
-                                           args.max_new_tokens, args.temperature, args.top_k, args.top_p, eos,
-                                           ())  # fmt: skip
-    cache = cache_bytes(config, args.num_samples, batch.capacity, params["wte"].dtype)
+    prompts = [ids] * args.num_samples
+    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    capacity = bucket(len(ids), config.n_positions) + bucket(args.max_new_tokens, config.n_positions)
+    cache = cache_bytes(config, args.num_samples, capacity, params["wte"].dtype)
     out = out if is_main() else io.StringIO()  # every process computes; process 0 prints
-    with on_mesh(mesh):
-        if args.stream:
-            return _stream(params, config, batch, settings, stop, args, enc, cache, out)
+    key = jax.random.key(args.seed)
+    with CompileTimer() as compiling:
         t0 = time.perf_counter()
-        compiled = _generate.lower(params, batch.tokens, batch.start, batch.keys, settings, stop,
-                                   np.int32(args.max_new_tokens), config, batch.capacity, batch.steps).compile()
-        t1 = time.perf_counter()
-        toks, _, lengths = compiled(params, batch.tokens, batch.start, batch.keys, settings, stop,
-                                    np.int32(args.max_new_tokens))
-        toks, lengths = np.asarray(toks)[: batch.rows], np.asarray(lengths)[: batch.rows]
-    t2 = time.perf_counter()
-    for b in range(args.num_samples):
-        if args.num_samples > 1:
-            print(f"--- sample {b + 1} ---", file=out)
-        print(prompt + enc.decode([t for t in toks[b, : lengths[b]].tolist() if t != eos]), file=out)
-    out.flush()
+        if args.stream:
+            text, n = TextStream(enc, out), 0
+            out.write(prompt)
+            for tokens, _ in generate_stream(params, config, prompts, key, **kw):
+                n += 1
+                if int(tokens[0]) == config.eos_id:
+                    break
+                text.add(int(tokens[0]))
+            out.write("\n")
+        else:
+            result = generate(params, config, prompts, key, **kw)
+            for b in range(args.num_samples):
+                if args.num_samples > 1:
+                    print(f"--- sample {b + 1} ---", file=out)
+                toks = result.tokens[b, : result.lengths[b]].tolist()
+                print(prompt + enc.decode([t for t in toks if t != config.eos_id]), file=out)
+            n = int(result.lengths.sum())
+        out.flush()
+        seconds = time.perf_counter() - t0
     if is_main():
-        _summary(int(lengths.sum()), t2 - t1, t1 - t0, cache, args)
+        _summary(n, seconds - compiling.seconds, compiling.seconds, cache, args)
     return 0
 
 
@@ -184,35 +190,6 @@ def _own_stdout():
     text = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     return text
-
-
-def _stream(params, config, batch, settings, stop, args, enc, cache, out) -> int:
-    from gpt2_jax.distributed import is_main
-    from gpt2_jax.generate import decode_step, prefill
-
-    t0 = time.perf_counter()
-    lowered = prefill.lower(params, batch.tokens, batch.start, batch.keys, config, batch.capacity)
-    run_prefill = lowered.compile()  # its shapes come from the lowering: no second trace (jax.eval_shape)
-    state = jax.tree.map(lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
-                         lowered.out_info, run_prefill.output_shardings)  # on a mesh: the step gets prefill's layout
-    run_step = decode_step.lower(params, state, settings, stop, config).compile()
-    t1 = time.perf_counter()
-    text = TextStream(enc, out)
-    out.write(args.prompt if args.prompt is not None else "")
-    state = run_prefill(params, batch.tokens, batch.start, batch.keys)
-    n = 0
-    for _ in range(args.max_new_tokens):
-        state, token, _ = run_step(params, state, settings, stop)
-        t, n = int(np.asarray(token)[0]), n + 1
-        if t == int(stop.eos_id):
-            break
-        text.add(t)
-    t2 = time.perf_counter()
-    out.write("\n")
-    out.flush()
-    if is_main():
-        _summary(n, t2 - t1, t1 - t0, cache, args)
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,13 +35,13 @@ def main(process_id: int, port: int, checkpoint: str, out_dir: str, data: int, m
     assert jax.process_count() == 2 and jax.device_count() == 4 and jax.local_device_count() == 2
     mesh = make_mesh(data, model)
     params, config = gpt2_jax.load(checkpoint, mesh=mesh)
-    local = [s.data.shape for s in params["h"]["mlp"]["c_fc"]["weight"].addressable_shards]
+    local = [s.data.shape for s in params["h"][0]["mlp"]["c_fc"]["weight"].addressable_shards]
     logits = multihost_utils.process_allgather(gpt2_jax.forward(params, TOKENS, config), tiled=True)
     greedy = gpt2_jax.generate(params, config, PROMPTS, jax.random.key(3), max_new_tokens=10, temperature=0.0)
     sampled = gpt2_jax.generate(params, config, PROMPTS, jax.random.key(3), max_new_tokens=10, **SAMPLED)
     step = make_train_step(config, optax.sgd(0.5))
     state, metrics = step(init_state(params, optax.sgd(0.5)), BATCH, jax.random.key(4))
-    c_fc = multihost_utils.process_allgather(state.params["h"]["mlp"]["c_fc"]["weight"], tiled=True)
+    c_fc = multihost_utils.process_allgather(state.params["h"][0]["mlp"]["c_fc"]["weight"], tiled=True)
     np.savez(f"{out_dir}/process{process_id}.npz", logits=logits, greedy=greedy.tokens, sampled=sampled.tokens,
              loss=float(metrics["loss"]), c_fc=c_fc, local_shapes=np.array(local))  # fmt: skip
     jax.distributed.shutdown()

@@ -1,6 +1,8 @@
 import jax
+import numpy as np
 import pytest
 
+import gpt2_jax
 from gpt2_jax import PRESETS, ConfigError, GPT2Config, init_params
 from gpt2_jax.params import flat_shapes
 
@@ -38,7 +40,12 @@ def test_init_params_count_and_no_bias_variant():
                    GPT2Config(n_layer=3, n_head=2, n_embd=32, vocab_size=50, n_positions=16, bias=False)):
         params = init_params(jax.random.key(0), config)
         assert sum(a.size for a in jax.tree.leaves(params)) == config.n_params
-        assert params["h"]["attn"]["c_attn"]["weight"].shape == (3, 32, 3, 32)  # [L, D, q|k|v, D]
+        assert len(params["h"]) == 3 and params["h"][0]["attn"]["c_attn"]["weight"].shape == (3, 32, 32)  # q|k|v, out, in
+        assert params["h"][0]["mlp"]["c_fc"]["weight"].shape == (128, 32)  # [out, in]
+        stacked = init_params(jax.random.key(0), config, stacked=True)
+        assert stacked["h"]["attn"]["c_attn"]["weight"].shape == (3, 3, 32, 32)  # [L, q|k|v, out, in]
+        for a, b in zip(jax.tree.leaves(gpt2_jax.stack_layers(params)), jax.tree.leaves(stacked)):
+            assert (np.asarray(a) == np.asarray(b)).all()
 
 
 def test_unknown_preset_lists_known_names():

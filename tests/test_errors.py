@@ -205,13 +205,14 @@ def test_checkpoint_in_the_old_layout_or_with_a_missing_tensor_says_so(hf_dir, t
     from gpt2_jax import checkpoint
 
     params, config = gpt2_jax.load(hf_dir)
+    params = gpt2_jax.stack_layers(params)
     old = {**params, "h": {**params["h"], "attn": {**params["h"]["attn"], "c_attn": {
-        "weight": params["h"]["attn"]["c_attn"]["weight"].reshape(2, 32, 96),  # gpt2_jax 0.1's [L, D, 3D]
-        "bias": params["h"]["attn"]["c_attn"]["bias"].reshape(2, 96)}}}}  # fmt: skip
+        "weight": params["h"]["attn"]["c_attn"]["weight"].transpose(0, 3, 1, 2),  # gpt2_jax 0.2's [L, in, 3, out]
+        "bias": params["h"]["attn"]["c_attn"]["bias"]}}}}  # fmt: skip
     checkpoint.save(tmp_path / "old", old, config)
-    with pytest.raises(CheckpointError, match=r"old/params: h\.attn\.c_attn\.bias has shape \(2, 96\), expected "
-                                              r"\(2, 3, 32\) \(a layout older than gpt2_jax 0\.2: convert the source "
-                                              r"checkpoint again\)"):  # fmt: skip
+    with pytest.raises(CheckpointError, match=r"old/params: h\.attn\.c_attn\.weight has shape \(2, 32, 3, 32\), "
+                                              r"expected \(2, 3, 32, 32\) \(a layout older than gpt2_jax 0\.3: convert "
+                                              r"the source checkpoint again\)"):  # fmt: skip
         gpt2_jax.load(tmp_path / "old")
     checkpoint.save(tmp_path / "no_ln_f", {k: v for k, v in params.items() if k != "ln_f"}, config)
     with pytest.raises(CheckpointError, match=r"missing ln_f\.bias, ln_f\.weight for the 2-layer config"):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import gpt2_jax
-from gpt2_jax.layers import attn_scale, block, layer_norm, mlp
+from gpt2_jax.layers import block, layer_norm, mlp
 from gpt2_jax.model import _forward, embed
 from tests.reference import hf_logits, make_hf_model, random_tokens, rel_err, saved_and_loaded
 
@@ -71,14 +71,14 @@ def test_per_layer_parity(hf_and_ours):
     x = embed(params, jnp.asarray(tokens), jnp.arange(12))
     assert rel_err(x, hidden[0]) <= 1e-6
     for i in range(config.n_layer):
-        p = jax.tree.map(lambda a: a[i], params["h"])
+        p = params["h"][i]
         hf_block = model.transformer.h[i]
         with torch.no_grad():
             ln = hf_block.ln_1(torch.as_tensor(hidden[i])).numpy()
             hf_mlp = hf_block.mlp(torch.as_tensor(ln)).numpy()
         assert rel_err(layer_norm(p["ln_1"], jnp.asarray(hidden[i]), 1e-5), ln) <= 1e-5
         assert rel_err(mlp(p["mlp"], jnp.asarray(ln), config), hf_mlp) <= 1e-5
-        x = block(p, jnp.asarray(hidden[i]), config, attn_scale(config, i))
+        x, _ = block(p, jnp.asarray(hidden[i]), config, i)
         if i + 1 < config.n_layer:  # the last hidden state has ln_f applied
             assert rel_err(x, hidden[i + 1]) <= 1e-5
 

@@ -109,7 +109,7 @@ def test_nanogpt_parity(bias, compiled, tmp_path):
     for path in (ckpt, ckpt.parent):  # the file, or nanoGPT's out_dir
         params, config = gpt2_jax.load(path)
         assert config.gelu_approximate is False and config.bias is bias
-        assert ("bias" in params["h"]["mlp"]["c_fc"]) is bias
+        assert ("bias" in params["h"][0]["mlp"]["c_fc"]) is bias
         check_parity(params, config, model)
     assert convert_main([str(ckpt), str(tmp_path / "conv")]) == 0
     check_parity(*gpt2_jax.load(tmp_path / "conv"), model)

@@ -58,8 +58,8 @@ def test_sharded_forward_matches_one_device_and_transformers(model, mesh_shape):
 def test_sharded_generate_gives_the_same_tokens(model, mesh_shape):
     _, params, config = model
     sharded = shard_params(params, config, make_mesh(*mesh_shape))
-    # Greedy through the scan over stacked layers; seeded sampling through per-layer buffers (the CLI's).
-    for kw, layout in (({"temperature": 0.0}, sharded), (SAMPLED, unstack_layers(sharded))):
+    # Greedy through per-layer buffers (what load() gives); seeded sampling through stacked layers.
+    for kw, layout in (({"temperature": 0.0}, sharded), (SAMPLED, stack_layers(sharded))):
         one = generate(params, config, PROMPTS, jax.random.key(7), max_new_tokens=12, eos_id=None,
                        return_logprobs=True, **kw)  # fmt: skip
         many = generate(layout, config, PROMPTS, jax.random.key(7), max_new_tokens=12, eos_id=None,
@@ -100,17 +100,18 @@ def test_megatron_layout_moves_activations_never_weights(model, mesh_shape):
 def test_each_device_holds_its_share(model):
     _, params, config = model
     mesh = make_mesh(2, 4)
+    params = stack_layers(params)
     sharded = shard_params(params, config, mesh)
     L, D, F, V = config.n_layer, config.n_embd, config.mlp_dim, config.vocab_size
     h = sharded["h"]
-    expected = {  # the shape every device holds: 1/4 of the split axis, the rest whole
-        "c_attn.weight": (h["attn"]["c_attn"]["weight"], (L, D, 3, D // 4)),
+    expected = {  # the shape every device holds: 1/4 of the split axis, the rest whole (weights [out, in])
+        "c_attn.weight": (h["attn"]["c_attn"]["weight"], (L, 3, D // 4, D)),
         "c_attn.bias": (h["attn"]["c_attn"]["bias"], (L, 3, D // 4)),
-        "attn.c_proj.weight": (h["attn"]["c_proj"]["weight"], (L, D // 4, D)),
+        "attn.c_proj.weight": (h["attn"]["c_proj"]["weight"], (L, D, D // 4)),
         "attn.c_proj.bias": (h["attn"]["c_proj"]["bias"], (L, D)),
-        "c_fc.weight": (h["mlp"]["c_fc"]["weight"], (L, D, F // 4)),
+        "c_fc.weight": (h["mlp"]["c_fc"]["weight"], (L, F // 4, D)),
         "c_fc.bias": (h["mlp"]["c_fc"]["bias"], (L, F // 4)),
-        "mlp.c_proj.weight": (h["mlp"]["c_proj"]["weight"], (L, F // 4, D)),
+        "mlp.c_proj.weight": (h["mlp"]["c_proj"]["weight"], (L, D, F // 4)),
         "ln_1.weight": (h["ln_1"]["weight"], (L, D)),
         "wpe": (sharded["wpe"], (config.n_positions, D)),
         "wte": (sharded["wte"], (V // 4, D) if V % 4 == 0 else (V, D)),
@@ -119,20 +120,17 @@ def test_each_device_holds_its_share(model):
         assert len(array.addressable_shards) == 8, name
         assert {s.data.shape for s in array.addressable_shards} == {shape}, name
     # Each head's columns stay together: device (0, m) holds heads 2m, 2m+1 of q, of k and of v.
-    w = np.asarray(params["h"]["attn"]["c_attn"]["weight"])
+    w = np.asarray(params["h"]["attn"]["c_attn"]["weight"])  # stacked, as sharded above
     for shard in h["attn"]["c_attn"]["weight"].addressable_shards:
         np.testing.assert_array_equal(np.asarray(shard.data), w[shard.index])
     # The KV cache: rows over "data", heads over "model".
-    with on_mesh(mesh):
-        state = prefill(unstack_layers(sharded), np.zeros((4, 16), np.int32), np.zeros(4, np.int32),
-                        jax.random.split(jax.random.key(0), 4), config, 32)  # fmt: skip
-    k0 = state.cache.k[0]  # [B, H, S, K]
-    assert {s.data.shape for s in k0.addressable_shards} == {(2, config.n_head // 4, 32, config.head_dim)}
-    with on_mesh(mesh):  # stacked params: one [L, B, H, S, K] cache
-        state = prefill(sharded, np.zeros((4, 16), np.int32), np.zeros(4, np.int32),
-                        jax.random.split(jax.random.key(0), 4), config, 32)  # fmt: skip
     L, H, K = config.n_layer, config.n_head, config.head_dim
-    assert {s.data.shape for s in state.cache.v.addressable_shards} == {(L, 2, H // 4, 32, K)}
+    for layout in (sharded, unstack_layers(sharded)):  # either layout: one [L, B, H, S, K] cache
+        with on_mesh(mesh):
+            state = prefill(layout, np.zeros((4, 16), np.int32), np.full(4, 16, np.int32),
+                            jax.random.split(jax.random.key(0), 4), config, 32)  # fmt: skip
+        assert {s.data.shape for s in state.cache.k.addressable_shards} == {(L, 2, H // 4, 32, K)}
+        assert {s.data.shape for s in state.cache.v.addressable_shards} == {(L, 2, H // 4, K, 32)}  # transposed
 
 
 def _train_both(params, config, mesh_shape, optimizer, steps=2):
@@ -236,7 +234,7 @@ def test_mesh_defaults_and_partial_sizes():
 def test_stacked_and_unstacked_shard_alike(model):
     _, params, config = model
     mesh = make_mesh(2, 4)
-    a = stack_layers(unstack_layers(shard_params(params, config, mesh)))
+    a = unstack_layers(shard_params(stack_layers(params), config, mesh))
     b = shard_params(params, config, mesh)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         assert x.sharding.is_equivalent_to(y.sharding, x.ndim)

@@ -1,0 +1,31 @@
+"""How long JAX spent compiling: tracing, lowering and XLA compiling, summed from jax.monitoring's events."""
+
+from __future__ import annotations
+
+import jax
+
+# JAX's own duration events for the three stages of turning a call into a program.
+_EVENTS = (
+    "/jax/core/compile/jaxpr_trace_duration",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration",
+    "/jax/core/compile/backend_compile_duration",
+)
+
+
+class CompileTimer:
+    """with CompileTimer() as timer: ...  then timer.seconds is the compile time inside the block (0 when
+    every program was already compiled, or read back from the persistent compilation cache)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def _listen(self, event: str, duration: float, **_) -> None:
+        if event in _EVENTS:
+            self.seconds += duration
+
+    def __enter__(self) -> "CompileTimer":
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        jax.monitoring.unregister_event_duration_listener(self._listen)
