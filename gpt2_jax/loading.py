@@ -5,14 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 
 from gpt2_jax import checkpoint, files, hf, nanogpt
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import CheckpointError, ConfigError
-from gpt2_jax.params import Params, from_flat
+from gpt2_jax.params import Params
+from gpt2_jax.streaming import build_params
+from gpt2_jax.tensors import Lazy
 
 FORMATS = (
     "a gpt2_jax checkpoint directory (gpt2_jax.json + params/), "
@@ -32,7 +32,7 @@ def resolve_dtype(dtype: Any) -> Any:
     return jnp.dtype(name)
 
 
-def _read_file(path: Path, config: GPT2Config | None) -> tuple[dict[str, np.ndarray], GPT2Config]:
+def _read_file(path: Path, config: GPT2Config | None) -> tuple[dict[str, Lazy], GPT2Config]:
     """A single weight file; the config comes from the argument, a config.json beside it, or the shapes."""
     if path.suffix == ".safetensors" or path.name.endswith(".index.json"):
         raw = hf.read_weights(path)
@@ -50,25 +50,18 @@ def _read_file(path: Path, config: GPT2Config | None) -> tuple[dict[str, np.ndar
     return flat, config or hf.infer_config(flat, str(path))
 
 
-def place(params: Params, config: GPT2Config, mesh: Any = None) -> Params:
-    """Host params -> device arrays: on the default device, or shard by shard on a mesh."""
-    if mesh is None:
-        return jax.tree.map(jnp.asarray, params)
-    from gpt2_jax.sharding import shard_params
-
-    return shard_params(params, config, mesh)
-
-
 def load(path: str | Path, *, dtype: Any = None, config: GPT2Config | None = None,
-         mesh: Any = None) -> tuple[Params, GPT2Config]:
+         mesh: Any = None, progress: bool = False) -> tuple[Params, GPT2Config]:
     """Any supported checkpoint -> (params, config). dtype: keep the stored one (None), float32 or bfloat16.
-    mesh (gpt2_jax.sharding.make_mesh): lay the params out on it, each device receiving only its shards."""
+    mesh (gpt2_jax.sharding.make_mesh): lay the params out on it, each device receiving only its shards.
+    Tensors stream from the memory-mapped file into their final buffers (cast on the way), so the
+    peak memory is about the weights once. progress: a tqdm bar (bytes) on stderr for loads over 2 s."""
     path = Path(path)
     dtype = resolve_dtype(dtype)
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
     if checkpoint.is_checkpoint(path):
-        return checkpoint.restore(path, dtype, mesh)
+        return checkpoint.restore(path, dtype, mesh, progress)
     if path.is_dir() and (path / "config.json").is_file():
         source = hf.weight_file(path)
         flat, found = hf.read_dir(path)
@@ -81,4 +74,4 @@ def load(path: str | Path, *, dtype: Any = None, config: GPT2Config | None = Non
         source = path
         flat, found = _read_file(path, config)
     config = config or found
-    return place(from_flat(flat, config, str(source), dtype), config, mesh), config
+    return build_params(flat, config, str(source), dtype, mesh, progress), config
