@@ -29,15 +29,16 @@ def as_tree_shape(name: str, t: Any) -> Lazy:
     whole (q|k|v are interleaved with the part a shard wants), the rest of the index applied after."""
     shape = tuple(t.shape)
     tree = tree_shape(name, shape)
+    whole = getattr(t, "whole", False)
     if tree == shape:
-        return Lazy(shape, np.dtype(t.dtype), lambda index: t[index])
+        return Lazy(shape, np.dtype(t.dtype), lambda index: t[index], whole)
     keep = len(shape) - 1
 
     def read(index: Index) -> np.ndarray:
         part = np.asarray(t[index[:keep]])
         return part.reshape(part.shape[:keep] + tree[keep:])[(slice(None),) * keep + index[keep:]]
 
-    return Lazy(tree, np.dtype(t.dtype), read)
+    return Lazy(tree, np.dtype(t.dtype), read, whole)
 
 
 def leaf_sources(flat: Mapping[str, Any], config: GPT2Config) -> dict[str, tuple[bool, list[Lazy]]]:
@@ -52,12 +53,12 @@ def leaf_sources(flat: Mapping[str, Any], config: GPT2Config) -> dict[str, tuple
 
 
 def copy_into(out: np.ndarray, src: Lazy, index: Index, progress: Any) -> None:
-    """out[...] = src[index] (cast to out's dtype), CHUNK_BYTES of rows at a time."""
+    """out[...] = src[index] (cast to out's dtype), CHUNK_BYTES of rows at a time (or whole)."""
     if out.ndim == 0 or out.size == 0:
         out[...] = src[index]
         return
     rows = range(*index[0].indices(src.shape[0]))
-    step = max(1, CHUNK_BYTES // max(1, out[0].nbytes))
+    step = len(rows) if src.whole else max(1, CHUNK_BYTES // max(1, out[0].nbytes))
     for i in range(0, len(rows), step):
         part = rows[i : i + step]
         out[i : i + len(part)] = src[(slice(part.start, part.stop, rows.step), *index[1:])]

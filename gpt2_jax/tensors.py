@@ -26,11 +26,14 @@ _SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, 
 @dataclass(frozen=True)
 class Lazy:
     """A tensor not read yet: its shape, dtype, and read(index) -> the numpy array at that index
-    (a tuple of one slice per axis). lazy[index] reads part of it; np.asarray(lazy) all of it."""
+    (a tuple of one slice per axis). lazy[index] reads part of it; np.asarray(lazy) all of it.
+    whole: read it in one piece rather than in row chunks (a transposed one, whose rows are the
+    file's columns: each chunk of them would touch every page of the tensor)."""
 
     shape: tuple[int, ...]
     dtype: np.dtype
     read: Callable[[Index], np.ndarray]
+    whole: bool = False
 
     def __getitem__(self, index: Any) -> np.ndarray:
         index = index if isinstance(index, tuple) else (index,)
@@ -47,7 +50,7 @@ class Lazy:
 
 def transposed(t: Lazy) -> Lazy:
     """A 2-D lazy tensor read as its transpose (nanoGPT's [out, in] Linear weights -> [in, out])."""
-    return Lazy(t.shape[::-1], t.dtype, lambda index: t.read(index[::-1]).T)
+    return Lazy(t.shape[::-1], t.dtype, lambda index: t.read(index[::-1]).T, whole=True)
 
 
 class Reopening:
