@@ -25,20 +25,19 @@ CHUNK_BYTES = 4 << 20  # per copy: small enough to stay in the allocator's warm 
 
 def as_tree_shape(name: str, t: Any) -> Lazy:
     """A block tensor (lazy or numpy) read in its params shape: c_attn's [D, 3D] as [D, 3, D] and
-    [3D] as [3, D]. Its leading source axes (the weight's rows) are read as asked, the split axis
-    whole (q|k|v are interleaved with the part a shard wants), the rest of the index applied after."""
-    shape = tuple(t.shape)
+    [3D] as [3, D]. Only the columns asked for are read: q, k and v each from its own third."""
+    shape, dtype, axis = tuple(t.shape), np.dtype(t.dtype), getattr(t, "chunk_axis", 0)
     tree = tree_shape(name, shape)
-    whole = getattr(t, "whole", False)
     if tree == shape:
-        return Lazy(shape, np.dtype(t.dtype), lambda index: t[index], whole)
-    keep = len(shape) - 1
+        return Lazy(shape, dtype, lambda index: t[index], axis)
+    d = tree[-1]
 
     def read(index: Index) -> np.ndarray:
-        part = np.asarray(t[index[:keep]])
-        return part.reshape(part.shape[:keep] + tree[keep:])[(slice(None),) * keep + index[keep:]]
+        *lead, qkv, cols = index
+        c0, c1, _ = cols.indices(d)
+        return np.stack([t[(*lead, slice(k * d + c0, k * d + c1))] for k in range(*qkv.indices(3))], axis=len(lead))
 
-    return Lazy(tree, np.dtype(t.dtype), read, whole)
+    return Lazy(tree, dtype, read, len(tree) - 1 if axis else 0)  # along the file's rows, if transposed
 
 
 def leaf_sources(flat: Mapping[str, Any], config: GPT2Config) -> dict[str, tuple[bool, list[Lazy]]]:
@@ -53,16 +52,18 @@ def leaf_sources(flat: Mapping[str, Any], config: GPT2Config) -> dict[str, tuple
 
 
 def copy_into(out: np.ndarray, src: Lazy, index: Index, progress: Any) -> None:
-    """out[...] = src[index] (cast to out's dtype), CHUNK_BYTES of rows at a time (or whole)."""
+    """out[...] = src[index] (cast to out's dtype), CHUNK_BYTES at a time along src.chunk_axis."""
     if out.ndim == 0 or out.size == 0:
         out[...] = src[index]
         return
-    rows = range(*index[0].indices(src.shape[0]))
-    step = len(rows) if src.whole else max(1, CHUNK_BYTES // max(1, out[0].nbytes))
-    for i in range(0, len(rows), step):
-        part = rows[i : i + step]
-        out[i : i + len(part)] = src[(slice(part.start, part.stop, rows.step), *index[1:])]
-        progress.update(out[i : i + len(part)].nbytes)
+    axis = src.chunk_axis
+    span = range(*index[axis].indices(src.shape[axis]))
+    step = max(1, CHUNK_BYTES * len(span) // max(1, out.nbytes))
+    for i in range(0, len(span), step):
+        part = span[i : i + step]
+        at = tuple(slice(i, i + len(part)) if a == axis else slice(None) for a in range(out.ndim))
+        out[at] = src[tuple(slice(part.start, part.stop, span.step) if a == axis else s for a, s in enumerate(index))]
+        progress.update(out[at].nbytes)
 
 
 def fill_shard(shape: tuple[int, ...], dtype: Any, stacked: bool, sources: list[Lazy],

@@ -27,13 +27,14 @@ _SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, 
 class Lazy:
     """A tensor not read yet: its shape, dtype, and read(index) -> the numpy array at that index
     (a tuple of one slice per axis). lazy[index] reads part of it; np.asarray(lazy) all of it.
-    whole: read it in one piece rather than in row chunks (a transposed one, whose rows are the
-    file's columns: each chunk of them would touch every page of the tensor)."""
+    chunk_axis: the axis to read it along, a few MiB at a time, so each chunk is contiguous in the
+    file: 1 for a transposed one, whose rows are the file's columns (a chunk of those would touch
+    every page of the tensor, and copy 4x slower)."""
 
     shape: tuple[int, ...]
     dtype: np.dtype
     read: Callable[[Index], np.ndarray]
-    whole: bool = False
+    chunk_axis: int = 0
 
     def __getitem__(self, index: Any) -> np.ndarray:
         index = index if isinstance(index, tuple) else (index,)
@@ -50,7 +51,7 @@ class Lazy:
 
 def transposed(t: Lazy) -> Lazy:
     """A 2-D lazy tensor read as its transpose (nanoGPT's [out, in] Linear weights -> [in, out])."""
-    return Lazy(t.shape[::-1], t.dtype, lambda index: t.read(index[::-1]).T, whole=True)
+    return Lazy(t.shape[::-1], t.dtype, lambda index: t.read(index[::-1]).T, chunk_axis=1)
 
 
 class Reopening:
