@@ -115,7 +115,7 @@ def _load_model(args: argparse.Namespace, mesh):
         raise GPT2JaxError(f"no --model given and the bundled model {BUNDLED_MODEL} is missing")
     int8 = args.dtype == "int8"
     params, config = load(resolve_model(args.model) if args.model else BUNDLED_MODEL,
-                          dtype="bfloat16" if int8 else args.dtype, mesh=mesh)  # fmt: skip
+                          dtype="bfloat16" if int8 else args.dtype, mesh=mesh, progress=True)  # fmt: skip
     if int8:
         params = quantize_int8(params)
         params = shard_params(params, config, mesh) if mesh else params  # the scales' layout too

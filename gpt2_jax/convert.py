@@ -11,18 +11,26 @@ from gpt2_jax import checkpoint, hf
 from gpt2_jax.errors import GPT2JaxError
 from gpt2_jax.files import atomic_dir, check_writable_destination
 from gpt2_jax.loading import load, resolve_dtype
-from gpt2_jax.params import to_flat
+from gpt2_jax.params import param_bytes, to_flat
+from gpt2_jax.streaming import progress_bar
 
 
-def convert(src: str | Path, dst: str | Path, *, dtype: Any = None, force: bool = False, to_hf: bool = False) -> Path:
-    """Read src (any format load() takes) and write dst atomically: orbax, or HF with to_hf=True."""
+def convert(src: str | Path, dst: str | Path, *, dtype: Any = None, force: bool = False, to_hf: bool = False,
+            progress: bool = False) -> Path:  # fmt: skip
+    """Read src (any format load() takes) and write dst atomically: orbax, or HF with to_hf=True.
+    The tensors stream into their final buffers and are written from there, so the peak memory is
+    about the weights once (to_hf: twice, as safetensors serialises the whole file in memory).
+    progress: tqdm bars (bytes) on stderr, reading then writing."""
     dst = Path(dst).absolute()
     check_writable_destination(dst, force)  # fail before the (slow) load, not after
-    params, config = load(src, dtype=resolve_dtype(dtype))
-    if not to_hf:
-        return checkpoint.save(dst, params, config, force=force)
-    with atomic_dir(dst, force) as tmp:
-        hf.write_dir(to_flat(params, config), config, tmp)
+    params, config = load(src, dtype=resolve_dtype(dtype), progress=progress, stacked=True)  # as stored
+    with progress_bar(param_bytes(params), progress, f"writing {dst}") as bar:
+        if not to_hf:
+            checkpoint.save(dst, params, config, force=force)
+        else:
+            with atomic_dir(dst, force) as tmp:
+                hf.write_dir(to_flat(params, config), config, tmp)
+        bar.update(param_bytes(params))  # orbax and safetensors write in one call each, so the bar jumps
     return dst
 
 
@@ -50,7 +58,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 def run(args: argparse.Namespace) -> int:
     try:
-        out = convert(args.src, args.dst, dtype=args.dtype, force=args.force, to_hf=args.to_hf)
+        out = convert(args.src, args.dst, dtype=args.dtype, force=args.force, to_hf=args.to_hf, progress=True)
     except GPT2JaxError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

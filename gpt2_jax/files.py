@@ -1,4 +1,4 @@
-"""Reading tensor files (safetensors without torch, .bin/.pt with torch) and atomic directory writes."""
+"""Reading PyTorch .bin/.pt files lazily (memory-mapped, through torch) and atomic directory writes."""
 
 from __future__ import annotations
 
@@ -6,26 +6,20 @@ import contextlib
 import os
 import shutil
 import uuid
+import zipfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from gpt2_jax.errors import CheckpointError
-
-
-def read_safetensors(path: Path) -> dict[str, np.ndarray]:
-    """All tensors of a .safetensors file as numpy arrays (bfloat16 via ml_dtypes); needs no torch."""
-    import safetensors.numpy
-
-    try:
-        return dict(safetensors.numpy.load_file(str(path)))
-    except Exception as e:  # safetensors raises its own error types for truncated/corrupt headers
-        raise CheckpointError(f"{path}: cannot read safetensors file ({type(e).__name__}: {e})") from None
+from gpt2_jax.tensors import Index, Lazy, Reopening, mapped_budget, part_bytes
 
 
 def torch_load(path: Path) -> Any:
-    """torch.load on CPU with weights_only=True (no arbitrary pickled code), errors made readable."""
+    """torch.load on CPU with weights_only=True (no arbitrary pickled code), errors made readable.
+    Zip-format files (every torch.save since 1.6) are memory-mapped: tensors are views of the file,
+    read only when copied; a legacy file is read whole."""
     try:
         import torch
     except ImportError:
@@ -33,17 +27,17 @@ def torch_load(path: Path) -> Any:
             f"{path}: reading PyTorch .bin/.pt files needs torch; install it with pip install 'gpt2-jax[torch]'"
         ) from None
     try:
-        return torch.load(str(path), map_location="cpu", weights_only=True)
+        return torch.load(str(path), map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
     except Exception as e:
         msg = str(e).splitlines()[0] if str(e) else ""
         raise CheckpointError(f"{path}: cannot read PyTorch file ({type(e).__name__}: {msg})") from None
 
 
 def torch_to_numpy(t: Any) -> np.ndarray:
-    """A torch tensor -> numpy, keeping bfloat16 as ml_dtypes.bfloat16."""
+    """A torch tensor -> numpy without copying (a view of a mapped file stays one), bfloat16 as ml_dtypes'."""
     import torch
 
-    t = t.detach().cpu()
+    t = t.detach()
     if t.dtype == torch.bfloat16:
         import ml_dtypes
 
@@ -51,13 +45,31 @@ def torch_to_numpy(t: Any) -> np.ndarray:
     return t.numpy()
 
 
-def tensors_of(state: Any, path: Path) -> dict[str, np.ndarray]:
-    """A torch state dict -> {name: numpy array}; anything else is an error."""
+def _state_dict(state: Any, path: Path) -> dict[str, Any]:
     import torch
 
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise CheckpointError(f"{path}: expected a state dict of tensors, found {type(state).__name__}")
-    return {k: torch_to_numpy(v) for k, v in state.items()}
+    return state
+
+
+def tensors_of(loaded: Any, path: Path, select: Callable[[Any], Any] = lambda obj: obj) -> dict[str, Lazy]:
+    """The state dict select(loaded) of a torch_load(path) result as lazy tensors; anything else is
+    an error. Reading goes through a Reopening file, so the pages read do not pile up in RSS."""
+    state = _state_dict(select(loaded), path)
+    views = {k: torch_to_numpy(v) for k, v in state.items()}
+    shapes = {k: (tuple(v.shape), v.dtype) for k, v in views.items()}
+    budget = mapped_budget(sum(v.nbytes for v in views.values()))
+    del views
+    file = Reopening(lambda: _state_dict(select(torch_load(path)), path), budget, first=state)
+
+    def lazy(name: str, shape: tuple[int, ...], dtype: np.dtype) -> Lazy:
+        def read(index: Index) -> np.ndarray:
+            return file.read(part_bytes(shape, dtype.itemsize, index), lambda state: torch_to_numpy(state[name])[index])
+
+        return Lazy(shape, dtype, read)
+
+    return {name: lazy(name, s, d) for name, (s, d) in shapes.items()}
 
 
 def check_writable_destination(dst: Path, force: bool) -> None:

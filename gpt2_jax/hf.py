@@ -14,9 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from gpt2_jax import files
+from gpt2_jax import files, tensors
 from gpt2_jax.config import HF_ACTIVATIONS, PRESETS, GPT2Config
 from gpt2_jax.errors import CheckpointError, ConfigError
+from gpt2_jax.tensors import Lazy
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 _BUFFER = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)$")
@@ -80,10 +81,11 @@ def config_to_hf(config: GPT2Config) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def normalize_keys(tensors: dict[str, np.ndarray], source: str) -> dict[str, np.ndarray]:
-    """Strip the "transformer." prefix, drop mask buffers, and check-then-drop a tied lm_head."""
+def normalize_keys(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """Strip the "transformer." prefix, drop mask buffers, and check-then-drop a tied lm_head
+    (arrays or lazy tensors: reading both for the check is the only whole-tensor read)."""
     out = {}
-    for key, value in tensors.items():
+    for key, value in raw.items():
         name = key.removeprefix("transformer.")
         if not _BUFFER.match(name):
             out[name] = value
@@ -97,27 +99,28 @@ def normalize_keys(tensors: dict[str, np.ndarray], source: str) -> dict[str, np.
     return out
 
 
-def _read_weight_file(path: Path) -> dict[str, np.ndarray]:
+def _read_weight_file(path: Path) -> dict[str, Lazy]:
     if path.suffix == ".safetensors":
-        return files.read_safetensors(path)
+        return tensors.safetensors_file(path)
     return files.tensors_of(files.torch_load(path), path)
 
 
-def read_weights(path: Path) -> dict[str, np.ndarray]:
-    """One weight file or a sharded *.index.json -> {raw key: array}."""
+def read_weights(path: Path) -> dict[str, Lazy]:
+    """One weight file or a sharded *.index.json -> {raw key: lazy tensor}; nothing is read yet
+    but the headers (a truncated or corrupt file is reported here)."""
     if not path.name.endswith(".index.json"):
         return _read_weight_file(path)
     try:
         weight_map = json.loads(path.read_text())["weight_map"]
     except (OSError, ValueError, KeyError) as e:
         raise CheckpointError(f"{path}: not a valid shard index ({type(e).__name__}: {e})") from None
-    tensors: dict[str, np.ndarray] = {}
+    found: dict[str, Lazy] = {}
     for shard in sorted(set(weight_map.values())):
         shard_path = path.parent / shard
         if not shard_path.exists():
             raise CheckpointError(f"{path}: shard {shard} listed in the index does not exist")
-        tensors.update(_read_weight_file(shard_path))
-    return tensors
+        found.update(_read_weight_file(shard_path))
+    return found
 
 
 def read_config(path: Path) -> GPT2Config:
@@ -137,8 +140,8 @@ def weight_file(path: Path) -> Path:
     raise CheckpointError(f"{path}: has config.json but none of the weight files {', '.join(WEIGHT_FILES)}")
 
 
-def read_dir(path: Path) -> tuple[dict[str, np.ndarray], GPT2Config]:
-    """A HuggingFace GPT-2 directory -> (flat tensors, config)."""
+def read_dir(path: Path) -> tuple[dict[str, Lazy], GPT2Config]:
+    """A HuggingFace GPT-2 directory -> (flat lazy tensors, config)."""
     config = read_config(path / "config.json")
     weights = weight_file(path)
     return normalize_keys(read_weights(weights), str(weights)), config
@@ -165,11 +168,11 @@ def write_dir(flat: dict[str, np.ndarray], config: GPT2Config, dst: Path) -> Non
 
     from gpt2_jax.params import flat_shapes
 
-    tensors = {}
+    out = {}
     for name, shape in flat_shapes(config.replace(bias=True)).items():
         value = flat.get(name)
-        tensors[f"transformer.{name}"] = np.ascontiguousarray(
+        out[f"transformer.{name}"] = np.ascontiguousarray(
             value if value is not None else np.zeros(shape, flat["wte.weight"].dtype)
         )
     (dst / "config.json").write_text(json.dumps(config_to_hf(config), indent=2))
-    safetensors.numpy.save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    safetensors.numpy.save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})

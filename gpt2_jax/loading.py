@@ -5,14 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 
 from gpt2_jax import checkpoint, files, hf, nanogpt
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import CheckpointError, ConfigError
-from gpt2_jax.params import Params, from_flat, unstack_layers
+from gpt2_jax.params import Params
+from gpt2_jax.streaming import build_params
+from gpt2_jax.tensors import Lazy
 
 FORMATS = (
     "a gpt2_jax checkpoint directory (gpt2_jax.json + params/), "
@@ -32,7 +32,7 @@ def resolve_dtype(dtype: Any) -> Any:
     return jnp.dtype(name)
 
 
-def _read_file(path: Path, config: GPT2Config | None) -> tuple[dict[str, np.ndarray], GPT2Config]:
+def _read_file(path: Path, config: GPT2Config | None) -> tuple[dict[str, Lazy], GPT2Config]:
     """A single weight file; the config comes from the argument, a config.json beside it, or the shapes."""
     if path.suffix == ".safetensors" or path.name.endswith(".index.json"):
         raw = hf.read_weights(path)
@@ -48,15 +48,6 @@ def _read_file(path: Path, config: GPT2Config | None) -> tuple[dict[str, np.ndar
     if config is None and (path.parent / "config.json").is_file():
         config = hf.read_config(path.parent / "config.json")
     return flat, config or hf.infer_config(flat, str(path))
-
-
-def place(params: Params, config: GPT2Config, mesh: Any = None) -> Params:
-    """Host params -> device arrays: on the default device, or shard by shard on a mesh."""
-    if mesh is None:
-        return jax.tree.map(jnp.asarray, params)
-    from gpt2_jax.sharding import shard_params
-
-    return shard_params(params, config, mesh)
 
 
 def _training_run(path: Path) -> Path:
@@ -75,18 +66,20 @@ def _training_run(path: Path) -> Path:
 
 
 def load(path: str | Path, *, dtype: Any = None, config: GPT2Config | None = None,
-         mesh: Any = None) -> tuple[Params, GPT2Config]:
+         mesh: Any = None, progress: bool = False, stacked: bool = False) -> tuple[Params, GPT2Config]:
     """Any supported checkpoint -> (params, config), each layer's tensors their own buffers (the fast form
-    for every path; see gpt2_jax.params). dtype: keep the stored one (None), float32 or bfloat16.
-    mesh (gpt2_jax.sharding.make_mesh): lay the params out on it, each device receiving only its shards."""
+    for every path; see gpt2_jax.params). A gpt2-jax train --out directory loads its model/.
+    dtype: keep the stored one (None), float32 or bfloat16. mesh (gpt2_jax.sharding.make_mesh): lay the params out on it, each device receiving only its shards.
+    Tensors stream from the memory-mapped file into their final buffers (cast on the way), so the
+    peak memory is about the weights once. progress: a tqdm bar (bytes) on stderr for loads over 2 s.
+    stacked=True: block leaves stacked on L instead (the form checkpoints store; convert writes it)."""
     path = Path(path)
     dtype = resolve_dtype(dtype)
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
     path = _training_run(path)
     if checkpoint.is_checkpoint(path):
-        params, config = checkpoint.restore(path, dtype, mesh)
-        return unstack_layers(params), config
+        return checkpoint.restore(path, dtype, mesh, progress, stacked)
     if path.is_dir() and (path / "config.json").is_file():
         source = hf.weight_file(path)
         flat, found = hf.read_dir(path)
@@ -99,4 +92,4 @@ def load(path: str | Path, *, dtype: Any = None, config: GPT2Config | None = Non
         source = path
         flat, found = _read_file(path, config)
     config = config or found
-    return unstack_layers(place(from_flat(flat, config, str(source), dtype), config, mesh)), config
+    return build_params(flat, config, str(source), dtype, mesh, progress, stacked), config

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
-
 from gpt2_jax import files
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import CheckpointError
 from gpt2_jax.hf import normalize_keys
+from gpt2_jax.tensors import Lazy, transposed
 
 GPT2_VOCAB = 50257
 _LINEARS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -44,21 +43,22 @@ def config_from_args(args: dict, source: str) -> GPT2Config:
     )  # fmt: skip
 
 
-def read_checkpoint(ckpt: dict, path: Path) -> tuple[dict[str, np.ndarray], GPT2Config]:
-    """A loaded ckpt.pt dict -> (flat tensors in our [in, out] layout, config)."""
+def read_checkpoint(ckpt: dict, path: Path) -> tuple[dict[str, Lazy], GPT2Config]:
+    """A torch_load'ed ckpt.pt dict -> (flat lazy tensors in our [in, out] layout, config).
+    The Linear weights are read transposed, chunk by chunk, as they are copied into place."""
     config = config_from_args(ckpt["model_args"], str(path))
-    state = {k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()}
-    flat = normalize_keys(files.tensors_of(state, path), str(path))
+    state = files.tensors_of(ckpt, path, select=lambda c: {k.removeprefix("_orig_mod."): v for k, v in c["model"].items()})
+    flat = normalize_keys(state, str(path))
     for name, value in flat.items():
         if name.endswith(_LINEARS):
-            if value.ndim != 2:
+            if len(value.shape) != 2:
                 raise CheckpointError(f"{path}: tensor {name} has shape {value.shape}, expected a 2-D matrix")
-            flat[name] = np.ascontiguousarray(value.T)
+            flat[name] = transposed(value)
     return flat, config
 
 
-def read(path: Path) -> tuple[dict[str, np.ndarray], GPT2Config]:
-    """nanoGPT ckpt.pt -> (flat tensors, config)."""
+def read(path: Path) -> tuple[dict[str, Lazy], GPT2Config]:
+    """nanoGPT ckpt.pt -> (flat lazy tensors, config)."""
     ckpt = files.torch_load(path)
     if not is_nanogpt(ckpt):
         raise CheckpointError(f"{path}: not a nanoGPT checkpoint (expected the keys 'model' and 'model_args')")

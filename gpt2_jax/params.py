@@ -163,22 +163,6 @@ def check_tree(shapes: Any, config: GPT2Config, source: str) -> None:
             raise CheckpointError(f"{source}: {name} has shape {got[name]}, expected {shape}{hint}")
 
 
-def from_flat(flat: Mapping[str, np.ndarray], config: GPT2Config, source: str, dtype: Any = None) -> Params:
-    """Checked flat {name: array} -> params pytree of host (numpy) arrays, block tensors stacked on L.
-    Nothing is put on a device yet: loading.place does that, whole or sharded."""
-    check_flat(flat, config, source)
-    cast = (lambda a: np.asarray(a)) if dtype is None else (lambda a: np.asarray(a).astype(dtype))
-    params: Params = {"h": {}}
-    for name, key in _EMBEDDINGS.items():
-        params[key] = cast(flat[name])
-    for name, shape in layer_shapes(config).items():
-        stacked = np.stack([to_tree(name, np.asarray(flat[f"h.{i}.{name}"])) for i in range(config.n_layer)])
-        _set(params["h"], name, cast(stacked))
-    for name in ("weight", "bias") if config.bias else ("weight",):
-        _set(params, f"ln_f.{name}", cast(flat[f"ln_f.{name}"]))
-    return params
-
-
 def to_flat(params: Params, config: GPT2Config) -> dict[str, np.ndarray]:
     """Params pytree -> flat {h.{i}.name: array} in checkpoint shapes, layer axis unstacked (numpy, host)."""
     flat = {name: np.asarray(params[key]) for name, key in _EMBEDDINGS.items()}

@@ -1,0 +1,144 @@
+"""Flat lazy tensors -> the params pytree on its device(s), one slot at a time, in bounded memory.
+
+Each leaf of params (see gpt2_jax.params) is built by jax.make_array_from_callback: for every
+device the callback allocates that device's shard once, in the final dtype (tensors.host_buffer,
+which the CPU backend adopts without copying), and copies each layer's tensor into its slot a few
+MiB at a time, casting on the way. So the peak is the weights plus a few MiB, the model is never
+held twice, and on a mesh each device receives only its own shards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Mapping
+
+import jax
+import numpy as np
+from jax.sharding import Sharding, SingleDeviceSharding
+
+from gpt2_jax.config import GPT2Config
+from gpt2_jax.params import _LINEAR_WEIGHTS, Params, _set, check_flat, layer_shapes, tree_shape
+from gpt2_jax.tensors import Index, Lazy, transposed
+
+CHUNK_BYTES = 4 << 20  # per copy: small enough to stay in the allocator's warm memory
+
+
+def as_tree_shape(name: str, t: Any) -> Lazy:
+    """A block tensor (lazy or numpy; checkpoint layout, Conv1D [in, out]) read in its params layout (see
+    params.tree_shape): linear weights as [out, in], c_attn's [D, 3D] as [3, D, D] (q, k and v each read
+    from its own third of the columns), its bias [3D] as [3, D]."""
+    shape, dtype, axis = tuple(t.shape), np.dtype(t.dtype), getattr(t, "chunk_axis", 0)
+    tree = tree_shape(name, shape)
+    if name == "attn.c_attn.weight":
+        d = tree[1]
+
+        def read_qkv(index: Index) -> np.ndarray:
+            qkv, outs, ins = index
+            o0, o1, _ = outs.indices(d)
+            return np.stack([t[(ins, slice(k * d + o0, k * d + o1))].T for k in range(*qkv.indices(3))])
+
+        return Lazy(tree, dtype, read_qkv, 2 if axis == 0 else 1)  # chunks along the file's rows
+    if name in _LINEAR_WEIGHTS:
+        return transposed(t if isinstance(t, Lazy) else Lazy(shape, dtype, lambda index: t[index], axis))
+    if tree == shape:
+        return Lazy(shape, dtype, lambda index: t[index], axis)
+    return Lazy(tree, dtype, lambda index: np.asarray(t[(slice(None),)]).reshape(tree)[index])  # c_attn's bias
+
+
+def leaf_sources(flat: Mapping[str, Any], config: GPT2Config) -> dict[str, tuple[bool, list[Lazy]]]:
+    """Dotted params leaf -> (stacked on L?, its sources in params shape: one per layer, or the one)."""
+    leaves = {"wte": (False, [as_tree_shape("", flat["wte.weight"])]),
+              "wpe": (False, [as_tree_shape("", flat["wpe.weight"])])}  # fmt: skip
+    for name in layer_shapes(config):
+        leaves[f"h.{name}"] = (True, [as_tree_shape(name, flat[f"h.{i}.{name}"]) for i in range(config.n_layer)])
+    for name in ("weight", "bias") if config.bias else ("weight",):
+        leaves[f"ln_f.{name}"] = (False, [as_tree_shape("", flat[f"ln_f.{name}"])])
+    return leaves
+
+
+def copy_into(out: np.ndarray, src: Lazy, index: Index, progress: Any) -> None:
+    """out[...] = src[index] (cast to out's dtype), CHUNK_BYTES at a time along src.chunk_axis."""
+    if out.ndim == 0 or out.size == 0:
+        out[...] = src[index]
+        return
+    axis = src.chunk_axis
+    span = range(*index[axis].indices(src.shape[axis]))
+    step = max(1, CHUNK_BYTES * len(span) // max(1, out.nbytes))
+    for i in range(0, len(span), step):
+        part = span[i : i + step]
+        at = tuple(slice(i, i + len(part)) if a == axis else slice(None) for a in range(out.ndim))
+        out[at] = src[tuple(slice(part.start, part.stop, span.step) if a == axis else s for a, s in enumerate(index))]
+        progress.update(out[at].nbytes)
+
+
+def fill_shard(shape: tuple[int, ...], dtype: Any, stacked: bool, sources: list[Lazy],
+               index: Index, progress: Any) -> np.ndarray:  # fmt: skip
+    """One device's shard of a leaf, read from its sources straight into a fresh host buffer."""
+    from gpt2_jax.tensors import host_buffer
+
+    index = tuple(s if isinstance(s, slice) else slice(s, s + 1) for s in index)
+    index += (slice(None),) * (len(shape) - len(index))
+    out = host_buffer(tuple(len(range(*s.indices(n))) for s, n in zip(index, shape)), dtype)
+    if not stacked:
+        copy_into(out, sources[0], index, progress)
+        return out
+    for j, layer in enumerate(range(*index[0].indices(shape[0]))):
+        copy_into(out[j], sources[layer], index[1:], progress)
+    return out
+
+
+def _shardings(leaves: dict[str, tuple[bool, list[Lazy]]], shapes: dict[str, tuple[int, ...]],
+               config: GPT2Config, mesh: Any) -> dict[str, Sharding]:  # fmt: skip
+    if mesh is None:
+        return {k: SingleDeviceSharding(jax.local_devices()[0]) for k in leaves}
+    from gpt2_jax.sharding import check_mesh, leaf_spec
+
+    check_mesh(config, mesh)
+    model = mesh.shape["model"]
+    return {k: jax.sharding.NamedSharding(mesh, leaf_spec(tuple(k.split(".")), len(shapes[k]), config, model))
+            for k in leaves}  # fmt: skip
+
+
+@contextlib.contextmanager
+def progress_bar(total: int, enabled: bool, desc: str) -> Iterator[Any]:
+    """A tqdm bar in bytes, shown only when enabled and the work outlasts 2 s (quiet otherwise)."""
+    from tqdm.auto import tqdm
+
+    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, disable=not enabled,
+              delay=2.0, leave=False) as bar:  # fmt: skip
+        yield bar
+
+
+def build_params(flat: Mapping[str, Any], config: GPT2Config, source: str, dtype: Any = None,
+                 mesh: Any = None, progress: bool = False, stacked: bool = False) -> Params:  # fmt: skip
+    """Checked flat {name: lazy or numpy tensor} -> params on the default device (or the mesh), each
+    leaf allocated once in its final dtype (the stored one if dtype is None): per-layer buffers (what
+    load() gives), or block leaves stacked on L with stacked=True."""
+    check_flat(flat, config, source)
+    leaves = leaf_sources(flat, config)
+    shapes = {k: ((config.n_layer,) if st else ()) + src[0].shape for k, (st, src) in leaves.items()}
+    shardings = _shardings(leaves, shapes, config, mesh)
+    total = sum(int(np.prod(sh.shard_shape(shapes[k]))) * np.dtype(dtype or leaves[k][1][0].dtype).itemsize
+                * len(sh.addressable_devices) for k, sh in shardings.items())  # fmt: skip
+    params: Params = {} if stacked else {"h": [{} for _ in range(config.n_layer)]}
+    with progress_bar(total, progress, f"loading {source}") as bar:
+        for key, (on_l, sources) in leaves.items():
+            leaf_dtype = np.dtype(dtype or sources[0].dtype)
+            if on_l and not stacked:  # one array per layer, sharded as the stacked leaf without its L axis
+                sharding, shape = _drop_layer_axis(shardings[key]), shapes[key][1:]
+                for i, src in enumerate(sources):
+                    _set(params["h"][i], key[2:], jax.make_array_from_callback(
+                        shape, sharding, lambda index, s=src, d=leaf_dtype, sh=shape: fill_shard(sh, d, False, [s],
+                                                                                                  index, bar)))
+                continue
+            _set(params, key, jax.make_array_from_callback(
+                shapes[key], shardings[key],
+                lambda index, k=key, s=sources, st=on_l, d=leaf_dtype: fill_shard(shapes[k], d, st, s, index, bar)))
+    return params
+
+
+def _drop_layer_axis(sharding: Sharding) -> Sharding:
+    """The sharding of one layer's slice of a stacked leaf (whose L axis is never split)."""
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*tuple(sharding.spec)[1:]))
+    return sharding
