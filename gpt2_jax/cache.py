@@ -44,8 +44,7 @@ class CacheView(NamedTuple):
 
     def write(self, layer: jax.Array, k: jax.Array, v: jax.Array) -> "CacheView":
         """Layer `layer`'s new k, v [B, H, T, K] into their slots (in place)."""
-        v = jnp.swapaxes(v, -1, -2)  # [B, H, K, T]
-        return self._replace(k=write_rows(self.k, layer, k, self.start, 2), v=write_rows(self.v, layer, v, self.start, 3))
+        return self._replace(k=write_rows(self.k, layer, k, self.start, 3), v=write_rows(self.v, layer, v, self.start, 4))
 
     def read(self, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Layer `layer`'s keys [B, H, S, K] and values [B, H, K, S]."""
@@ -54,16 +53,17 @@ class CacheView(NamedTuple):
 
 
 def write_rows(cache: jax.Array, layer: jax.Array, new: jax.Array, start: jax.Array, axis: int) -> jax.Array:
-    """cache [L, B, H, ...] <- new [B, H, ...] at layer `layer`, slots [start[b], start[b] + T) of row b
-    along `axis` of a row's [L, H, ...] (2 for keys [.., S, K], 3 for transposed values [.., K, S]).
-    The caller keeps start[b] + T <= S (dynamic_update_slice would clamp, not fail)."""
-
-    def row(c, n, s):  # c: row b's [L, H, ...], n: its new [H, ...]
-        at = [jnp.zeros((), jnp.int32)] * c.ndim
-        at[0], at[axis] = layer, s
-        return jax.lax.dynamic_update_slice(c, n[None].astype(c.dtype), at)
-
-    return jax.vmap(row, in_axes=(1, 0, 0), out_axes=1)(cache, new, start)
+    """cache [L, B, H, ...] <- new [B, H, T, K] at layer `layer`, slots [start[b], start[b] + T) of row b,
+    the slot axis being `axis` of the cache (3 for keys [L, B, H, S, K], 4 for transposed values
+    [L, B, H, K, S]). One scatter on the cache as it lies, so XLA updates it in place (a vmap over rows
+    would transpose the whole cache there and back). Slots past the capacity are dropped."""
+    B, H, T, K = new.shape
+    rows = jnp.arange(B)[:, None]  # [B, 1]
+    slots = start[:, None] + jnp.arange(T)  # [B, T]
+    update = jnp.swapaxes(new, 1, 2).astype(cache.dtype)  # [B, T, H, K]: the indexed dims first, as numpy orders them
+    if axis == 3:
+        return cache.at[layer, rows, :, slots, :].set(update, mode="drop")
+    return cache.at[layer, rows, :, :, slots].set(update, mode="drop")
 
 
 def visible(start: jax.Array, T: int, capacity: int) -> jax.Array:

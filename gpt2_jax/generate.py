@@ -64,7 +64,7 @@ def _draw(state: DecodeState, settings: sampling.RowSettings, stop: StopRule, n_
     """Sample each row's next token -> (state with done/fill/lengths updated, tokens [B], logprobs [B])."""
     keys = jax.vmap(jax.random.fold_in)(state.keys, state.cache.lengths)  # the drawn token's position
     token = sampling.sample_rows(keys, state.logits, settings, n_valid)
-    logprob = jnp.take_along_axis(jax.nn.log_softmax(state.logits), token[:, None], axis=-1)[:, 0]
+    logprob = sampling.token_logprobs(state.logits, token)
     stops = (token == stop.eos_id) | (token[:, None] == stop.stop_ids[None, :]).any(-1)
     token = jnp.where(state.done, state.fill, token)
     logprob = jnp.where(state.done, 0.0, logprob)

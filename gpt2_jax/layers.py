@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from gpt2_jax.config import GPT2Config
+from gpt2_jax.numerics import MIN_REDUCE, min_rows, pad_rows
 from gpt2_jax.scan import apply_weight, take
 from gpt2_jax.sharding import constrain
 
@@ -25,23 +26,12 @@ BF16 = jnp.bfloat16
 NEG_INF = jnp.finfo(F32).min  # finite, so a fully masked row gives a uniform softmax, never NaN
 
 
-# XLA's CPU reductions take one code path (and rounding) below about this many elements and another
-# above; row-wise reductions are padded with extra rows up to it, so one token's LayerNorm or softmax
-# gives the same bits alone (a decode step) as among thousands (a prefill).
-MIN_REDUCE = 16384
-
-
-def min_rows(x: jax.Array, rows: int) -> int:
-    """How many rows x [rows, ...] needs for its row-wise reductions to take the large-input path."""
-    return max(rows, -(-MIN_REDUCE // (x.size // rows)))
-
-
 def layer_norm(p: dict, x: jax.Array, eps: float) -> jax.Array:
     """[..., D] -> [..., D]: normalise over D (biased variance), then scale and shift."""
     shape = x.shape
     x = x.astype(F32).reshape(-1, shape[-1])
     M = x.shape[0]
-    x = jnp.pad(x, ((0, min_rows(x, M) - M), (0, 0)))  # padded rows: zeros, finite (see MIN_REDUCE)
+    x = pad_rows(x, min_rows(M, shape[-1]))  # so one row rounds as among many (see gpt2_jax.numerics)
     mean = x.mean(-1, keepdims=True)
     var = jnp.square(x - mean).mean(-1, keepdims=True)
     y = (x - mean) * jax.lax.rsqrt(var + eps) * take(p["weight"]).astype(F32)

@@ -78,7 +78,7 @@ def test_cumulative_probability_exactly_p(top_p, n_kept):
 def test_top_p_cumulative_sum_is_torchs_float64_accumulation_rounded():
     # A float32 running sum over 50k tokens drifts by ulps, which would move the top-p boundary.
     p = np.sort(np.random.default_rng(13).dirichlet(np.full(50304, 0.3), 2).astype(np.float32), -1)
-    np.testing.assert_array_equal(jax.jit(sampling._cumsum)(p), torch.tensor(p).cumsum(-1).numpy())
+    np.testing.assert_array_equal(jax.jit(sampling.cumsum)(p), torch.tensor(p).cumsum(-1).numpy())
 
 
 @pytest.mark.parametrize("top_p", [1e-6, 1e-9, 1e-30])  # below ~6e-8, 1 - p rounds to 1: all cum <= it
@@ -211,11 +211,11 @@ def test_per_row_keys_are_batch_invariant():
 def test_settings_are_traced_never_recompiled():
     logits = np.random.default_rng(11).standard_normal((3, 77)).astype(np.float32)
     key = jax.random.key(7)
-    before = sampling._sample_jit._cache_size(), sampling._probs_jit._cache_size()
+    before = sampling.draw._sample_jit._cache_size(), sampling.filters._probs_jit._cache_size()
     for t, k, p in [(1.0, 0, 1.0), (0.5, 5, 0.9), (0.0, 1, 0.1), ([0.0, 0.7, 2.0], [0, 76, 100], [1.0, 1e-6, 0.5])]:
         sample(key, logits, temperature=t, top_k=k, top_p=p).block_until_ready()
         next_token_probs(logits, temperature=t, top_k=k, top_p=p).block_until_ready()
-    after = sampling._sample_jit._cache_size(), sampling._probs_jit._cache_size()
+    after = sampling.draw._sample_jit._cache_size(), sampling.filters._probs_jit._cache_size()
     assert (after[0] - before[0], after[1] - before[1]) == (1, 1)
 
 
@@ -250,12 +250,12 @@ def test_traced_settings_inside_a_users_jit_and_a_scan():
 def test_invalid_settings_raise_before_compiling(kwargs, name, shown):
     logits = jnp.zeros((3, 11))
     settings = dict(temperature=1.0, top_k=0, top_p=1.0) | kwargs
-    before = sampling._sample_jit._cache_size()
+    before = sampling.draw._sample_jit._cache_size()
     for fn in (lambda: sample(jax.random.key(0), logits, **settings), lambda: next_token_probs(logits, **settings)):
         with pytest.raises(ConfigError, match=name.replace("[", r"\[")) as info:
             fn()
         assert shown in str(info.value)
-    assert sampling._sample_jit._cache_size() == before
+    assert sampling.draw._sample_jit._cache_size() == before
 
 
 def test_wrong_number_of_keys_raises():
@@ -263,12 +263,12 @@ def test_wrong_number_of_keys_raises():
         sample(jax.random.split(jax.random.key(0), 2), jnp.zeros((3, 11)), temperature=1.0, top_k=0, top_p=1.0)
 
 
-# sample_rows: a program chosen at run time per batch (0 greedy, 1 no filter, 2 top-C candidates,
+# sample_rows: a program chosen at run time per row (0 greedy, 1 no filter, 2 a window of candidates,
 # 3 full sort), one uniform per row, inverse CDF over token ids.
 
 
-def program(t, k, p, b, v, n_valid=None) -> int:
-    return int(sampling._program(sampling.row_settings(t, k, p, b), v, n_valid)[1])
+def program(t, k, p, b, v, n_valid=None) -> list[int]:
+    return np.asarray(sampling.row_programs(sampling.row_settings(t, k, p, b), v, n_valid)).tolist()
 
 
 def chi2_pvalue(counts: np.ndarray, expected: np.ndarray) -> float:
@@ -304,15 +304,14 @@ def assert_draws_follow_probs(logits, t, k, p, n=20000, seed=0, n_valid=None) ->
 @pytest.mark.parametrize(
     "t, k, p, n_valid, expected_program",
     [
-        ([0.0, 0.0, 0.0], [0, 50, 3], [1.0, 0.9, 0.5], None, 0),  # greedy rows ignore top-k/top-p
-        ([0.8, 1.3], [0, 1000], 1.0, None, 1),  # top_k >= V is off
-        ([0.9, 1.5], [0, 290], 1.0, 280, 1),  # top_k >= n_valid is off too
-        ([1.0, 0.7, 1.5], [50, 127, 5], [0.9, 1.0, 0.5], None, 2),
-        (1.2, 0, 0.9, None, 3),  # top-p alone needs the whole vocabulary
-        (0.9, 128, 1.0, None, 3),  # k beyond the window
-        ([0.0, 0.9, 1.4], [0, 20, 100], [1.0, 0.95, 1.0], 280, 2),  # a greedy row among candidates
-        ([0.0, 0.7], [5, 0], [0.5, 1.0], None, 1),  # a greedy row among unfiltered rows
-        ([0.0, 0.8, 1.3, 1.0], [0, 50, 0, 0], [1.0, 0.9, 0.8, 1.0], 280, 3),  # mixed: the full sort
+        ([0.0, 0.0, 0.0], [0, 50, 3], [1.0, 0.9, 0.5], None, [0, 0, 0]),  # greedy rows ignore top-k/top-p
+        ([0.8, 1.3], [0, 1000], 1.0, None, [1, 1]),  # top_k >= V is off
+        ([0.9, 1.5], [0, 290], 1.0, 280, [1, 1]),  # top_k >= n_valid is off too
+        ([1.0, 0.7, 1.5], [50, 127, 5], [0.9, 1.0, 0.5], None, [2, 2, 2]),
+        (1.2, 0, 0.9, None, [2]),  # top-p alone: its window holds the whole (small) vocabulary
+        ([0.0, 0.9, 1.4], [0, 20, 100], [1.0, 0.95, 1.0], 280, [0, 2, 2]),  # a greedy row among candidates
+        ([0.0, 0.7], [5, 0], [0.5, 1.0], None, [0, 1]),  # a greedy row among unfiltered rows
+        ([0.0, 0.8, 1.3, 1.0], [0, 50, 0, 0], [1.0, 0.9, 0.8, 1.0], 280, [0, 2, 2, 1]),  # each row its own
     ],
 )
 def test_draws_of_every_program_follow_next_token_probs(t, k, p, n_valid, expected_program):
@@ -321,7 +320,7 @@ def test_draws_of_every_program_follow_next_token_probs(t, k, p, n_valid, expect
     logits = (1.5 * rng.standard_normal((b, 300))).astype(np.float32)
     logits[0, [11, 42]] = logits[0].max() + 1.0  # a tie at the top: greedy takes the lower id
     logits[:, 280:] = 50.0  # padding columns when n_valid = 280; ordinary (winning) tokens otherwise
-    assert program(t, k, p, b, 300, n_valid) == expected_program
+    assert program(t, k, p, b, 300, n_valid) == expected_program * (b // len(expected_program))
     tokens = assert_draws_follow_probs(logits, t, k, p, n_valid=n_valid)
     greedy = np.broadcast_to(np.asarray(t) == 0, (b,))
     top = np.where(np.arange(300) < (n_valid or 300), logits, -np.inf).argmax(-1)
@@ -330,16 +329,19 @@ def test_draws_of_every_program_follow_next_token_probs(t, k, p, n_valid, expect
         assert top[0] == 11
 
 
-@pytest.mark.parametrize("n_ties, top_p", [(127, 1.0), (128, 1.0), (200, 1.0), (127, 0.9), (200, 0.9)])
+C = sampling.CANDIDATES
+
+
+@pytest.mark.parametrize("n_ties, top_p", [(C - 1, 1.0), (C, 1.0), (C + 300, 1.0), (C - 1, 0.9), (C + 300, 0.9)])
 def test_ties_at_the_kth_value_beyond_the_candidate_window(n_ties, top_p):
-    # Every token tying with the k-th value survives top-k, so 200 ties cannot fit 128 candidates: the
-    # candidate program must see its last candidate equal the k-th value and fall back to the full sort.
-    # 127 ties fit (the 128th candidate is lower); 128 fit too, but the window cannot tell, so it falls back.
+    # Every token tying with the k-th value survives top-k, so C + 300 ties cannot fit C candidates: the
+    # window must see its last candidate equal the k-th value and fall back to the full sort.
+    # C - 1 ties fit (the C-th candidate is lower); C fit too, but the window cannot tell, so it falls back.
     rng = np.random.default_rng(21)
-    logits = (rng.standard_normal((1, 1000)) - 3.0).astype(np.float32)
-    tied = rng.permutation(1000)[:n_ties]
+    logits = (rng.standard_normal((1, 3000)) - 3.0).astype(np.float32)
+    tied = rng.permutation(3000)[:n_ties]
     logits[0, tied] = 2.0
-    assert program(1.0, 5, top_p, 1, 1000) == 2
+    assert program(1.0, 5, top_p, 1, 3000) == [2]
     expected = probs(logits, 1.0, 5, top_p)[0]
     assert set(np.flatnonzero(expected)) <= set(tied)
     assert (expected > 0).sum() == n_ties or top_p < 1
@@ -348,14 +350,16 @@ def test_ties_at_the_kth_value_beyond_the_candidate_window(n_ties, top_p):
 
 
 ROW_PAIRS = [
-    # (row's settings, a neighbour's settings), the row's program alone, and with the neighbour
-    ((1.0, 50, 0.9), (1.0, 0, 0.9), 2, 3),
-    ((0.7, 100, 1.0), (1.0, 0, 1.0), 2, 3),
-    ((0.8, 0, 1.0), (1.0, 0, 0.9), 1, 3),
-    ((0.8, 0, 1.0), (1.0, 50, 0.9), 1, 3),
+    # (row's settings, a neighbour's settings), the row's program and the neighbour's
+    ((1.0, 50, 0.9), (1.0, 0, 0.9), 2, 2),
+    ((0.7, 100, 1.0), (1.0, 0, 1.0), 2, 1),
+    ((0.8, 0, 1.0), (1.0, 0, 0.9), 1, 2),
+    ((0.8, 0, 1.0), (1.0, 50, 0.9), 1, 2),
     ((0.0, 0, 1.0), (1.0, 50, 0.9), 0, 2),
-    ((0.0, 7, 0.5), (1.0, 0, 0.9), 0, 3),
+    ((0.0, 7, 0.5), (1.0, 0, 0.9), 0, 2),
     ((0.0, 0, 1.0), (1.3, 0, 1.0), 0, 1),
+    ((1.0, 0, 0.9), (1.0, 1500, 1.0), 2, 3),  # next to a neighbour beyond the window: the full sort runs
+    ((1.0, 20, 1.0), (1.0, 1500, 0.8), 2, 3),
 ]
 
 
@@ -366,17 +370,17 @@ def _rows(keys, logits, settings):
 
 @pytest.mark.parametrize("v, n", [(2000, 2000), (50257, 64)])
 def test_a_rows_token_does_not_depend_on_its_neighbours_program(v, n):
-    # n keys for one row: alone (n + 1 copies, all one program) vs next to a neighbour whose settings
-    # select another program for the whole batch. Both batches have one shape: one compilation.
+    # n keys for one row: alone (n + 1 copies, one program) vs next to a neighbour whose settings select
+    # another program. Both batches have one shape: one compilation.
     rng = np.random.default_rng(22)
     row = (2.5 * rng.standard_normal(v)).astype(np.float32)
     keys = jax.random.split(jax.random.key(23), n + 1)
     logits = np.tile(row, (n + 1, 1))
-    for mine, other, alone_program, with_program in ROW_PAIRS:
+    for mine, other, my_program, other_program in ROW_PAIRS:
         alone_rows = [np.full(n + 1, x) for x in mine]
         with_rows = [np.append(x[:n], y) for x, y in zip(alone_rows, other)]
-        assert program(*alone_rows, n + 1, v) == alone_program
-        assert program(*with_rows, n + 1, v) == with_program
+        assert program(*alone_rows, n + 1, v) == [my_program] * (n + 1)
+        assert program(*with_rows, n + 1, v) == [my_program] * n + [other_program]
         alone = np.asarray(_rows(keys, logits, sampling.row_settings(*alone_rows, n + 1)))[:n]
         with_neighbour = np.asarray(_rows(keys, logits, sampling.row_settings(*with_rows, n + 1)))[:n]
         np.testing.assert_array_equal(alone, with_neighbour, err_msg=f"{mine} next to {other}")
@@ -391,4 +395,4 @@ def test_argmax_helper_is_jnp_argmax():
     x[2, [3, 9]] = np.nan
     x[3] = -np.inf
     x[4, :20] = -np.inf
-    np.testing.assert_array_equal(jax.jit(sampling._argmax)(x), jnp.argmax(x, axis=-1))
+    np.testing.assert_array_equal(jax.jit(sampling.argmax)(x), jnp.argmax(x, axis=-1))

@@ -92,7 +92,7 @@ def test_cast_while_streaming_rounds_as_torch_does(tmp_path, fmt):
         assert a.dtype == jnp.bfloat16 and a.shape == b.shape
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b).astype(jnp.bfloat16))
     torch_bf16 = model.transformer.h[1].mlp.c_fc.weight.detach().to(torch.bfloat16).float().numpy()
-    np.testing.assert_array_equal(np.asarray(params["h"]["mlp"]["c_fc"]["weight"][1], np.float32), torch_bf16)
+    np.testing.assert_array_equal(np.asarray(params["h"][1]["mlp"]["c_fc"]["weight"], np.float32).T, torch_bf16)  # [out, in]
 
 
 def test_truncated_orbax_data_is_a_clear_error_and_convert_leaves_nothing(tmp_path):

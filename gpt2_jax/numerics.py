@@ -1,0 +1,25 @@
+"""Facts about XLA's CPU arithmetic that keep a row's result the same bits in any batch.
+
+XLA's CPU row reductions (sum, max) take one code path below about MIN_REDUCE elements and another
+above, and the two round differently; so does its matmul for one row against two or more (see
+layers.matmul). Row-wise reductions therefore run on at least enough rows to take the large-input
+path, padded with copies of the first row whose results are dropped.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+MIN_REDUCE = 16384  # elements
+
+
+def min_rows(rows: int, row_size: int) -> int:
+    """How many rows [rows, row_size] needs so its row-wise reductions take the large-input path."""
+    return max(rows, -(-MIN_REDUCE // max(row_size, 1)))
+
+
+def pad_rows(x: jax.Array, rows: int) -> jax.Array:
+    """x [B, ...] with copies of row 0 appended up to `rows` rows."""
+    extra = rows - x.shape[0]
+    return x if extra <= 0 else jnp.concatenate([x, jnp.broadcast_to(x[:1], (extra, *x.shape[1:]))])

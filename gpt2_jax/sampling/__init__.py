@@ -1,0 +1,20 @@
+"""Next-token sampling: temperature, top-k and top-p (nucleus) filtering, then one keyed draw per row.
+
+  settings.py  RowSettings (one traced value per row), validation, row keys
+  filters.py   the reference: apply_temperature, top_k_mask, top_p_mask, filter_logits, next_token_probs
+  draw.py      the fast per-row programs (reusing those masks) and the path-independent inverse-CDF draw
+"""
+
+from gpt2_jax.sampling.draw import (
+    CANDIDATES, FULL, GREEDY, PLAIN, WINDOW, argmax, inverse_cdf, row_programs, sample, sample_rows, token_logprobs,
+)  # fmt: skip
+from gpt2_jax.sampling.filters import (
+    apply_temperature, cumsum, filter_logits, filter_scaled, next_token_probs, top_k_mask, top_p_mask,
+)  # fmt: skip
+from gpt2_jax.sampling.settings import RowSettings, check_sampling_args, row_keys, row_settings
+
+__all__ = [
+    "CANDIDATES", "FULL", "GREEDY", "PLAIN", "WINDOW", "row_programs", "RowSettings", "apply_temperature", "argmax", "check_sampling_args", "cumsum", "filter_logits",
+    "filter_scaled", "inverse_cdf", "next_token_probs", "row_keys", "row_settings", "sample", "sample_rows",
+    "token_logprobs", "top_k_mask", "top_p_mask",
+]  # fmt: skip

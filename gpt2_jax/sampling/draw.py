@@ -1,0 +1,154 @@
+"""The draw: one token per row from the distribution gpt2_jax.sampling.filters defines, fast.
+
+Every row takes the cheapest exact program for its own settings and logits (never its neighbours'):
+  greedy       temperature 0: the argmax (first maximum), no random numbers.
+  plain        no top-k and top-p == 1: the inverse CDF over all V weights.
+  window       top-k <= C - 1, or top-p alone whose nucleus lies inside the C largest candidates:
+               top_k_mask / top_p_mask on those C candidates only (lax.top_k, no sort of V).
+  full         anything else: the full sort of filters.filter_scaled.
+lax.cond skips a program that no row of the batch needs, so nothing recompiles, and since each row's
+token comes from its own program a row draws the same token whatever batch it is in.
+
+The draw itself is path-independent: inverse-CDF sampling with one uniform u per row (from that
+row's key) over token ids in increasing order, on unnormalised weights exp(scaled - row max) of the
+kept tokens: the first id whose cumulative weight exceeds u * total. Windows only decide which tokens
+are kept. A window's top-p normalises by the mass over all V, and adds the mass under the window to its
+cumulative sums; those double-float sums round like the full sort's except within ~2^-44 of a boundary.
+
+Shape legend: B batch, V vocab rows, C candidates.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from gpt2_jax.numerics import min_rows, pad_rows
+from gpt2_jax.sampling.filters import apply_temperature, check_logits, cumsum, filter_scaled, top_k_mask, top_p_mask
+from gpt2_jax.sampling.settings import RowSettings, row_keys, row_settings
+
+CANDIDATES = 1024  # C: the window; top_k <= C - 1 always fits it, a top-p nucleus often does
+
+
+def inverse_cdf(w: jax.Array, u: jax.Array) -> jax.Array:
+    """Weights w [B, N] >= 0 in increasing-id order, uniforms u [B] in [0, 1) -> [B] int32 position of
+    the first weight whose cumulative sum exceeds u * total. Zero weights are never chosen."""
+    n = w.shape[-1]
+    cum = cumsum(w)  # double-float: the rounded prefix sums barely depend on how zeros interleave
+    pos = w > 0
+    # total = the largest positive-weight prefix, so a positive weight always has cum > u * total:
+    # float32 u <= 1 - 2^-23 makes u * total < total.
+    total = jnp.max(jnp.where(pos, cum, 0.0), axis=-1)
+    hit = pos & (cum > (u * total)[:, None])
+    first = jnp.min(jnp.where(hit, jnp.arange(n, dtype=jnp.int32), n), axis=-1)
+    return jnp.minimum(first, n - 1)  # only NaN logits leave no hit; keep the index in range anyway
+
+
+def argmax(x: jax.Array) -> jax.Array:
+    """[B, N] -> [B] int32, exactly jnp.argmax (first maximum; first NaN if any), as two plain reductions
+    (several times cheaper on CPU than argmax's variadic reduction)."""
+    n = x.shape[-1]
+    hit = (x == jnp.max(x, axis=-1, keepdims=True)) | jnp.isnan(x)
+    return jnp.min(jnp.where(hit, jnp.arange(n, dtype=jnp.int32), n), axis=-1)
+
+
+def _window(scaled, weight, u, settings, k, use_k, use_p):
+    """The window program for every row -> (token [B], exact [B]: whether the window decides this row)."""
+    b, v = scaled.shape
+    c = min(CANDIDATES, v)
+    kk = jnp.clip(jnp.where(use_k, k, c), 1, c)
+    # The barrier keeps XLA from folding later slices into top_k's, which turns it back into a full sort.
+    # (kk rides through it too: a barrier over exactly top_k's two outputs becomes one over the top_k tuple
+    # once partitioned for a mesh, which crashes XLA's TopkDecomposer.)
+    vals, idx, kk = jax.lax.optimization_barrier((*jax.lax.top_k(scaled, c), kk))  # [B, C] descending
+    asc, ids = jax.lax.sort((vals[:, ::-1], idx[:, ::-1]), dimension=-1, num_keys=2)  # ascending (value, id)
+    keep = top_k_mask(asc, kk)
+    kth = jnp.take_along_axis(asc, (c - kk)[:, None], axis=-1)
+    # top-k alone: exact when no value tying with the k-th lies outside the window.
+    fits_k = (c == v) | (vals[:, -1] < kth[:, 0])
+    # top-p: probabilities normalised over all V (the full program's softmax), plus the mass under the window;
+    # exact when that mass is dropped anyway (every token outside has cumulative mass <= it <= 1 - top_p).
+    mass = jnp.sum(weight, axis=-1)
+    probs = jnp.where(keep, jnp.take_along_axis(weight, ids, axis=-1), 0.0)
+    below = jnp.where(use_k, 0.0, 1.0 - jnp.sum(probs, axis=-1) / mass)
+    probs = jnp.where(use_k[:, None], jax.nn.softmax(jnp.where(keep, asc, -jnp.inf), axis=-1), probs / mass[:, None])
+    keep = keep & top_p_mask(probs, settings.top_p_drop, below)
+    fits_p = use_k | (c == v) | (below <= settings.top_p_drop)
+    ids, keep = jax.lax.sort((ids, keep), dimension=-1, num_keys=1)  # increasing id order
+    w = jnp.where(keep, jnp.take_along_axis(weight, ids, axis=-1), 0.0)
+    token = jnp.take_along_axis(ids, inverse_cdf(w, u)[:, None], axis=-1)[:, 0]
+    return token, (use_k | use_p) & fits_k & fits_p
+
+
+GREEDY, PLAIN, WINDOW, FULL = range(4)
+
+
+def row_programs(settings: RowSettings, v: int, n_valid: int | None = None) -> jax.Array:
+    """[B] int32: the program each row's settings select, GREEDY, PLAIN, WINDOW or FULL. A WINDOW row
+    whose candidates cannot decide it (ties at the k-th value, or a nucleus wider than the window)
+    still runs FULL at draw time."""
+    nv = v if n_valid is None else min(n_valid, v)
+    greedy = settings.temperature == 0
+    no_k = (settings.top_k <= 0) | (settings.top_k >= nv)  # top_k >= the valid vocab keeps every token
+    no_p = settings.top_p_drop <= 0  # top_p == 1 (or above, if traced)
+    window = (~no_k & (settings.top_k <= min(CANDIDATES, v) - 1)) | (no_k & ~no_p)
+    return jnp.where(greedy, GREEDY, jnp.where(no_k & no_p, PLAIN, jnp.where(window, WINDOW, FULL))).astype(jnp.int32)
+
+
+def sample_rows(keys: jax.Array, logits: jax.Array, settings: RowSettings, n_valid: int | None = None) -> jax.Array:
+    """One key per row [B], logits [B, V] -> tokens [B] int32, each row from softmax(filter_logits(...))
+    (greedy rows: the argmax); no checks, jit/scan-safe. See the module docstring for the programs."""
+    b, v = logits.shape
+    rows = min_rows(b, v)  # reductions round alike for 1 row or many (see gpt2_jax.numerics)
+    keys, logits, settings = jax.tree.map(lambda x: pad_rows(x, rows), (keys, logits, settings))
+    program = row_programs(settings, v, n_valid)
+    greedy, plain = program == GREEDY, program == PLAIN
+    nv = v if n_valid is None else min(n_valid, v)
+    no_k = (settings.top_k <= 0) | (settings.top_k >= nv)
+    k = jnp.where(no_k, v, settings.top_k)
+    use_k = (program == WINDOW) & ~no_k
+    use_p = (program == WINDOW) & no_k
+    # One materialised array for every program: XLA may contract x / t into an FMA inside a consumer
+    # fusion, so per-program recomputations could disagree in the last bit.
+    scaled = jax.lax.optimization_barrier(apply_temperature(logits, settings, n_valid))
+    weight = jax.lax.optimization_barrier(jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True)))
+    u = jax.vmap(jax.random.uniform)(keys)  # one float32 in [0, 1) per row
+    zeros = jnp.zeros(rows, jnp.int32)
+
+    best = argmax(scaled)
+    full_plain = jax.lax.cond(jnp.any(plain), lambda: inverse_cdf(weight, u), lambda: zeros)
+    win, exact = jax.lax.cond(jnp.any(use_k | use_p), lambda: _window(scaled, weight, u, settings, k, use_k, use_p),
+                              lambda: (zeros, jnp.zeros(rows, bool)))  # fmt: skip
+    need_full = ~greedy & ~plain & ~exact
+
+    def full():
+        kept = filter_scaled(scaled, settings) > -jnp.inf
+        return inverse_cdf(jnp.where(kept, weight, 0.0), u)
+
+    full_tok = jax.lax.cond(jnp.any(need_full), full, lambda: zeros)
+    token = jnp.where(greedy, best, jnp.where(plain, full_plain, jnp.where(exact, win, full_tok)))
+    return token[:b].astype(jnp.int32)
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """log p(token) [B] under the raw logits [B, V] (no temperature or filters), rounded alike for 1 row or many."""
+    b, v = logits.shape
+    logp = jax.nn.log_softmax(pad_rows(logits.astype(jnp.float32), min_rows(b, v)), axis=-1)[:b]
+    return jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+
+
+@functools.partial(jax.jit, static_argnames="n_valid")
+def _sample_jit(keys: jax.Array, logits: jax.Array, settings: RowSettings, n_valid: int | None) -> jax.Array:
+    return sample_rows(keys, logits, settings, n_valid)
+
+
+def sample(key: jax.Array, logits: jax.Array, *, temperature: Any, top_k: Any, top_p: Any,
+           n_valid: int | None = None) -> jax.Array:
+    """One PRNG key or one per row [B], logits [B, V] -> next tokens [B] int32."""
+    logits = jnp.asarray(logits)
+    check_logits(logits, n_valid)
+    B = logits.shape[0]
+    return _sample_jit(row_keys(key, B), logits, row_settings(temperature, top_k, top_p, B), n_valid)

@@ -1,0 +1,110 @@
+"""The sampling reference: temperature -> top-k -> top-p -> softmax, one small pure function per concept.
+
+The semantics are transformers' TemperatureLogitsWarper -> TopKLogitsWarper -> TopPLogitsWarper; temperature
+0 means greedy. `filter_logits` composes the pieces over a full sort of V, and `next_token_probs` is the
+exact distribution every draw follows. The fast run-time programs (gpt2_jax.sampling.draw) reuse
+top_k_mask and top_p_mask on a window of candidates.
+
+Shape legend: B batch, V vocab rows, N values per row (V, or a window of candidates).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from gpt2_jax.errors import ConfigError, InputError
+from gpt2_jax.sampling.settings import RowSettings, row_settings
+
+
+def _two_sum(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """a + b as float32 (sum, exact rounding error), Knuth's branch-free form."""
+    s = a + b
+    bb = s - a
+    return s, (a - (s - bb)) + (b - bb)
+
+
+def cumsum(x: jax.Array) -> jax.Array:
+    """Cumulative sum over the last axis [B, N] -> [B, N], in double-float32, rounded to float32."""
+    # torch's CPU cumsum accumulates float32 in float64; a float32 scan drifts by several ulps over
+    # 50k tokens, enough to move the top-p boundary. A (hi, lo) pair carries ~48 bits instead.
+    def add(a, b):
+        s, e = _two_sum(a[0], b[0])
+        return _two_sum(s, e + a[1] + b[1])
+
+    return jax.lax.associative_scan(add, (x, jnp.zeros_like(x)), axis=-1)[0]
+
+
+def apply_temperature(logits: jax.Array, settings: RowSettings, n_valid: int | None = None) -> jax.Array:
+    """[B, V] logits -> [B, V] float32 logits / temperature, -inf in padding vocab columns (>= n_valid,
+    never a candidate, not even for greedy). Greedy rows (temperature 0) divide by 1: their scaled logits
+    are the logits, and no branch ever computes x/0."""
+    logits = logits.astype(jnp.float32)
+    v = logits.shape[-1]
+    if n_valid is not None and n_valid < v:
+        logits = jnp.where(jnp.arange(v) < n_valid, logits, -jnp.inf)
+    return logits / jnp.where(settings.temperature == 0, 1.0, settings.temperature)[:, None]
+
+
+def top_k_mask(asc: jax.Array, k: jax.Array) -> jax.Array:
+    """asc [B, N] sorted ascending, k [B] in [1, N] -> keep [B, N]: the k largest and every value tying
+    with the k-th (TopKLogitsWarper removes only values below the k-th)."""
+    kth = jnp.take_along_axis(asc, (asc.shape[-1] - k)[:, None], axis=-1)
+    return asc >= kth
+
+
+def top_p_mask(probs: jax.Array, drop: jax.Array, below: jax.Array | float = 0.0) -> jax.Array:
+    """probs [B, N] in ascending order (0 where already removed), drop [B] = float32(1 - top_p) ->
+    keep [B, N]: TopPLogitsWarper's rule, drop a token whose ascending cumulative probability is
+    <= 1 - top_p, always keeping the most likely one. below [B]: the mass of tokens under the first
+    (when probs is a window of the largest candidates)."""
+    cum = cumsum(probs) + jnp.asarray(below)[..., None]
+    return ~(cum <= drop[:, None]).at[:, -1].set(False)
+
+
+def filter_logits(logits: jax.Array, settings: RowSettings, n_valid: int | None = None) -> jax.Array:
+    """[B, V] logits -> [B, V] float32 log-weights, -inf where filtered out (a one-hot for greedy rows)."""
+    return filter_scaled(apply_temperature(logits, settings, n_valid), settings)
+
+
+def filter_scaled(scaled: jax.Array, settings: RowSettings) -> jax.Array:
+    """filter_logits after the temperature: top-k then top-p over one stable ascending sort of V."""
+    b, v = scaled.shape
+    # One stable ascending sort serves both filters. Top-k only removes the lowest values, so the kept
+    # tokens' order is the order transformers' top-p sort sees. Among exactly tied values, a stable sort
+    # puts the lower index first, as torch's CPU sort does for V <= 16 (above that its tie order is
+    # unspecified; only which of the tied tokens survive can then differ, not how many).
+    order = jnp.argsort(scaled, axis=-1, stable=True)
+    asc = jnp.take_along_axis(scaled, order, axis=-1)
+    k = jnp.where(settings.top_k <= 0, v, jnp.minimum(settings.top_k, v))  # 0 (off) or >= V keep all
+    asc = jnp.where(top_k_mask(asc, k), asc, -jnp.inf)
+    asc = jnp.where(top_p_mask(jax.nn.softmax(asc, axis=-1), settings.top_p_drop), asc, -jnp.inf)
+    filtered = jnp.zeros_like(asc).at[jnp.arange(b)[:, None], order].set(asc)  # undo the sort
+    # Greedy is a one-hot in log space, so softmax and categorical give the argmax exactly
+    # (argmax resolves ties to the lowest index).
+    best = jnp.argmax(scaled, axis=-1)
+    one_hot = jnp.where(jnp.arange(v) == best[:, None], 0.0, -jnp.inf)
+    return jnp.where((settings.temperature == 0)[:, None], one_hot, filtered)
+
+
+def check_logits(logits: jax.Array, n_valid: int | None) -> None:
+    if logits.ndim != 2:
+        raise InputError(f"logits must have shape [B, V], got shape {logits.shape}")
+    if n_valid is not None and not (isinstance(n_valid, int) and 0 < n_valid <= logits.shape[1]):
+        raise ConfigError(f"n_valid must be an int in [1, V={logits.shape[1]}], got {n_valid!r}")
+
+
+@functools.partial(jax.jit, static_argnames="n_valid")
+def _probs_jit(logits: jax.Array, settings: RowSettings, n_valid: int | None) -> jax.Array:
+    return jax.nn.softmax(filter_logits(logits, settings, n_valid), axis=-1)
+
+
+def next_token_probs(logits: jax.Array, *, temperature: Any, top_k: Any, top_p: Any,
+                     n_valid: int | None = None) -> jax.Array:
+    """[B, V] logits -> [B, V] float32: the exact distribution `sample` draws each row from."""
+    logits = jnp.asarray(logits)
+    check_logits(logits, n_valid)
+    return _probs_jit(logits, row_settings(temperature, top_k, top_p, logits.shape[0]), n_valid)

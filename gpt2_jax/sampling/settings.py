@@ -1,0 +1,87 @@
+"""Per-row sampling settings: validation on the host, broadcasting to one traced value per row, row keys.
+
+Settings are traced values [B], never static: rows with different settings share one compiled
+program, and a new value never recompiles.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gpt2_jax.errors import ConfigError
+
+
+class RowSettings(NamedTuple):
+    """Validated settings broadcast to one value per row; a pytree, so jit traces (not hashes) it."""
+
+    temperature: jax.Array  # [B] float32; 0 = greedy
+    top_k: jax.Array  # [B] int32; 0 = off
+    # [B] float32: float32(1 - top_p), the sorted-ascending cumulative mass at or below which top-p
+    # drops tokens. transformers subtracts in float64 and compares in float32; doing the same here on
+    # the host keeps exact-boundary cases identical (1 - float32(0.9) is 3 ulps away from float32(0.1)).
+    top_p_drop: jax.Array
+
+
+def _is_tracer(x: Any) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+def check_sampling_args(temperature: Any, top_k: Any, top_p: Any, batch_size: int) -> None:
+    """Raise ConfigError for a bad setting; each is a scalar or one value per row [B]. Tracers are skipped."""
+    rules = {
+        "temperature": ("a finite number >= 0 (0 means greedy)", lambda v: np.isfinite(v) & (v >= 0)),
+        "top_k": ("an integer >= 0 (0 means off)", lambda v: v >= 0),
+        "top_p": ("a number in (0, 1] (1 means off)", lambda v: (v > 0) & (v <= 1)),
+    }
+    for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p)):
+        if _is_tracer(value):
+            continue  # inside a user's jit: values are unknown until run time
+        allowed, ok = rules[name]
+        v = np.asarray(value)
+        if v.ndim > 1 or (v.ndim == 1 and v.shape[0] != batch_size):
+            raise ConfigError(
+                f"{name} must be a scalar or one value per row (shape ({batch_size},)), got shape {v.shape}"
+            )
+        integral = np.issubdtype(v.dtype, np.integer)
+        if v.dtype == bool or not (integral or (name != "top_k" and np.issubdtype(v.dtype, np.floating))):
+            raise ConfigError(f"{name} must be {allowed}, got {value!r} of dtype {v.dtype}")
+        bad = np.flatnonzero(~np.atleast_1d(ok(v.astype(np.float64))))  # NaN fails every rule
+        if bad.size:
+            where = f"{name}[{bad[0]}]" if v.ndim else name
+            raise ConfigError(f"{where} must be {allowed}, got {np.atleast_1d(v)[bad[0]].item()!r}")
+
+
+def row_settings(temperature: Any, top_k: Any, top_p: Any, batch_size: int) -> RowSettings:
+    """Validate (when concrete) and broadcast scalar or [B] settings to RowSettings of [B] arrays."""
+    check_sampling_args(temperature, top_k, top_p, batch_size)
+    shape = (batch_size,)
+
+    def rows(x, dtype):  # concrete values stay host arrays, so no eager op compiles per value
+        if _is_tracer(x):
+            return jnp.broadcast_to(jnp.asarray(x, dtype), shape)
+        return np.broadcast_to(np.asarray(x).astype(dtype), shape)
+
+    k = top_k if _is_tracer(top_k) else np.minimum(np.asarray(top_k), np.iinfo(np.int32).max)
+    if _is_tracer(top_p):  # float32 subtraction: can sit a few ulps from transformers' threshold
+        drop = 1 - jnp.asarray(top_p, jnp.float32)
+    else:
+        drop = (1.0 - np.asarray(top_p, np.float64)).astype(np.float32)
+    return RowSettings(rows(temperature, np.float32), rows(k, np.int32), rows(drop, np.float32))
+
+
+def row_keys(key: Any, batch_size: int) -> jax.Array:
+    """One key (row b gets fold_in(key, b)) or one per row [B] -> [B] typed PRNG keys."""
+    key = jnp.asarray(key)
+    if not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        if key.dtype != jnp.uint32 or key.shape[-1:] != (2,):
+            raise ConfigError(f"key must be a jax.random.key (or legacy PRNGKey), got {key.dtype} {key.shape}")
+        key = jax.random.wrap_key_data(key)
+    if key.ndim == 0:
+        return jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.arange(batch_size))
+    if key.shape != (batch_size,):
+        raise ConfigError(f"key must be one PRNG key or one per row (shape ({batch_size},)), got shape {key.shape}")
+    return key
