@@ -14,8 +14,8 @@ directory, so both libraries run the very same bf16 weights on the same GPU.
   warm-up, which covers the M run's shapes too), then each is timed best of --repeats.
   tokens/s = B / time per step. transformers: model.generate with
   max_new_tokens = min_new_tokens = n, the same prompts, the same N and M.
-- Layout: batch 1 is decoded with stacked params (leaves [L, ...], a lax.scan over layers) and
-  with unstack_layers(params) (a Python list of layers); the faster one is used for the rest.
+- Layout: batch 1 is decoded with stacked params (leaves [L, ...]) and with the per-layer buffers
+  load() gives (both run one lax.scan over the layers); the faster one is used for the rest.
 - Prefill: 512-token prompts at batch 1 and 8, the time of one generate call with
   max_new_tokens=1 (the prompt pass plus one draw) in both libraries; tokens/s = B * 512 / time.
 - Bandwidth: bytes over the best time of a jnp.sum over a 2 GiB float32 array (a streaming read;
@@ -62,7 +62,7 @@ import numpy as np  # noqa: E402
 import gpt2_jax  # noqa: E402
 from gpt2_jax.config import GPT2Config  # noqa: E402
 from gpt2_jax.generate import generate  # noqa: E402
-from gpt2_jax.params import param_bytes, unstack_layers  # noqa: E402
+from gpt2_jax.params import param_bytes, stack_layers, unstack_layers  # noqa: E402
 from gpt2_jax.precision import quantize_int8  # noqa: E402
 from timing import best_of  # noqa: E402  bench/timing.py, beside this script
 
@@ -307,7 +307,7 @@ class ModelBench:
         """Batch-1 decode with int8 weight-only blocks (gpt2_jax.precision), against the same
         transformers bf16 run: the bytes per token drop, so the bound does too."""
         q = quantize_int8(params)
-        q = unstack_layers(q) if chosen == "unstacked" else q
+        q = unstack_layers(q) if chosen == "unstacked" else stack_layers(q)
         self.result["int8_weight_bytes"] = param_bytes(q)
         prompts = self.prompts(1, self.args.prompt, seed=1)
         run = ours(q, self.config, prompts)
@@ -345,7 +345,7 @@ class ModelBench:
 
     def run_all(self, params) -> None:
         """Batch 1 picks the layout; the other batch sizes and prefill use it."""
-        layouts = {"stacked": params, "unstacked": self.attempt("unstack layers", lambda: unstack_layers(params))}
+        layouts = {"stacked": self.attempt("stack layers", lambda: stack_layers(params)), "unstacked": unstack_layers(params)}
         layouts = {name: p for name, p in layouts.items() if p is not None}
         del params
         chosen = self.attempt("decode B=1", lambda: self.decode_batch1(layouts))

@@ -127,7 +127,7 @@ def _generate(args: argparse.Namespace) -> int:
     from gpt2_jax.cache import cache_bytes
     from gpt2_jax.compiling import CompileTimer
     from gpt2_jax.distributed import is_main
-    from gpt2_jax.prompts import bucket
+    from gpt2_jax.prompts import cache_capacity
     from gpt2_jax.sharding import parse_mesh
     from gpt2_jax.tokenizer import EOT, tokenizer
 
@@ -151,8 +151,8 @@ def _generate(args: argparse.Namespace) -> int:
     params, config = _load_model(args, mesh)
     prompts = [ids] * args.num_samples
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    capacity = bucket(len(ids), config.n_positions) + bucket(args.max_new_tokens, config.n_positions)
-    cache = cache_bytes(config, args.num_samples, capacity, params["wte"].dtype)
+    cache = cache_bytes(config, args.num_samples, cache_capacity(len(ids), args.max_new_tokens, config),
+                        params["wte"].dtype)  # fmt: skip
     out = out if is_main() else io.StringIO()  # every process computes; process 0 prints
     key = jax.random.key(args.seed)
     with CompileTimer() as compiling:

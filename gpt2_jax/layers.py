@@ -40,18 +40,25 @@ def layer_norm(p: dict, x: jax.Array, eps: float) -> jax.Array:
 
 
 def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [..., in] @ w[out..., in] -> [..., out...] float32, as one 2-D [M, in] x [N, in] matmul.
+    """x [..., in] @ w[out..., in] -> [..., out...] float32, as one matmul of the rows [M, in] (M = the
+    leading dims) against w contracted on its last axis.
 
-    In this form (the weight contracted on its last axis, a plain 2-D result) XLA's CPU kernel computes
-    each row with the same instructions for any row count M >= 2, so a token's result does not depend
-    on how many rows share the call (a batch, a prefill, a decode step). The barrier keeps XLA from
-    choosing another output layout for the consumer's sake (which swaps the operands and the kernel).
-    A single row takes a matrix-vector kernel, so it is computed as two."""
+    In this form XLA's CPU kernel computes each row with the same instructions for any row count M >= 2,
+    so a token's result does not depend on how many rows share the call (a batch, a prefill, a decode
+    step). The barrier keeps XLA from choosing another output layout for the consumer's sake (which
+    swaps the operands and the kernel). A single row takes a matrix-vector kernel, so it is computed as
+    two. w's output axes are merged into one N (a free reshape): XLA would otherwise move the contraction
+    axis first, which is the other, row-count-dependent kernel. Except on a mesh, where c_attn's split
+    heads axis (under the unsplit q|k|v axis) cannot merge without gathering the weight; sharded results
+    are equal to one device's to 1e-5, not bitwise, anyway."""
     lead, out = x.shape[:-1], w.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     M = x2.shape[0]
     x2 = jnp.concatenate([x2, x2]) if M == 1 else x2
-    y = jnp.einsum("MI,NI->MN", x2, w.reshape(-1, w.shape[-1]), preferred_element_type=F32)
+    if jax.sharding.get_abstract_mesh().empty:
+        y = jnp.einsum("MI,NI->MN", x2, w.reshape(-1, w.shape[-1]), preferred_element_type=F32)
+    else:
+        y = jnp.einsum("MI,...I->M...", x2, w, preferred_element_type=F32)
     return jax.lax.optimization_barrier(y)[:M].reshape(*lead, *out)
 
 

@@ -9,6 +9,7 @@ import numpy as np
 
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import ConfigError, InputError
+from gpt2_jax.layers import KEY_BLOCK
 
 MIN_BUCKET = 16
 
@@ -17,7 +18,7 @@ class Batch(NamedTuple):
     tokens: np.ndarray  # [B, P] int32: row b's prompt in [0, lengths[b]), then padding that is never attended
     lengths: np.ndarray  # [B] int32: prompt lengths
     keys: Any  # [B] PRNG keys
-    capacity: int  # S = P + steps, the cache size
+    capacity: int  # S = P + steps rounded up to whole blocks of KEY_BLOCK slots, the cache size
     steps: int  # N, decode steps compiled (max_new_tokens rounded up)
     rows: int  # the caller's prompts; rows beyond (padding for a mesh) are copies of the last one
 
@@ -68,7 +69,14 @@ def make_batch(prompts: Any, config: GPT2Config, max_new_tokens: int) -> Batch:
     for b, p in enumerate(rows):
         tokens[b, : len(p)] = p
     steps = bucket(int(max_new_tokens), config.n_positions)
-    return Batch(tokens, lengths, None, P + steps, steps, len(rows))
+    return Batch(tokens, lengths, None, cache_capacity(P, steps, config), steps, len(rows))
+
+
+def cache_capacity(prompt_len: int, max_new_tokens: int, config: GPT2Config) -> int:
+    """The cache slots S for a prompt and a step count: both bucketed, then rounded up to whole blocks of
+    attention's key slots, so the cache is scored without padding (see layers.attend)."""
+    total = bucket(prompt_len, config.n_positions) + bucket(max_new_tokens, config.n_positions)
+    return -(-total // KEY_BLOCK) * KEY_BLOCK
 
 
 def check_stop_args(eos_id: Any, stop_ids: Any, config: GPT2Config, max_stop: int) -> tuple[np.ndarray, np.ndarray]:

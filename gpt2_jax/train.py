@@ -75,11 +75,15 @@ def make_optimizer(h: Hyper) -> optax.GradientTransformation:
 
 
 def init_state(params: Params, optimizer: optax.GradientTransformation) -> TrainState:
+    """Step 0 for these params. The state holds its own copy of them: the train step donates the state
+    (updates it in place), which must not delete the caller's params."""
+    params = jax.tree.map(jnp.copy, params)
     return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
 
 
 def make_train_step(config: GPT2Config, optimizer: optax.GradientTransformation):
-    """A jitted (state, batch [A, B, T+1], key) -> (state, {loss, grad_norm}): A micro-batches are
+    """A jitted (state, batch [A, B, T+1], key) -> (state, {loss, grad_norm}), the state donated (pass the
+    returned one on; the old one is consumed): A micro-batches are
     accumulated (mean gradient) before one optimizer update; micro-batch a's dropout uses fold_in(key, a).
     A state whose params are sharded (gpt2_jax.sharding) trains on their mesh: every process passes
     the same global batch, each "data" slice computes its rows, gradients are all-reduced."""
@@ -87,7 +91,7 @@ def make_train_step(config: GPT2Config, optimizer: optax.GradientTransformation)
     def grads_of(params, tokens, key):
         return jax.value_and_grad(loss_fn)(params, tokens, config, key=key, train=True)
 
-    @jax.jit
+    @functools.partial(jax.jit, donate_argnums=0)  # the old state's buffers become the new state's
     def jitted(state: TrainState, batch: jax.Array, key: jax.Array):
         def micro(acc, a):
             loss, grads = grads_of(state.params, batch[a], jax.random.fold_in(key, a))

@@ -85,15 +85,16 @@ def _collectives(hlo: str) -> dict[str, int]:
 
 @pytest.mark.parametrize("mesh_shape", [(1, 8), (2, 4)], ids=["data1xmodel8", "data2xmodel4"])
 def test_megatron_layout_moves_activations_never_weights(model, mesh_shape):
-    """Per block, one all-reduce after attention's c_proj and one after the MLP's (the layer scan's
-    body is compiled once), plus one for the lookup in a vocab-split wte; nothing is ever gathered."""
+    """Per block, one all-reduce after attention's c_proj and one after the MLP's, plus one for the lookup in a
+    vocab-split wte; nothing is ever gathered. (Each layer's matmuls sit in that layer's branch of a
+    lax.switch inside the one scan body, so the program text holds each all-reduce once per layer.)"""
     _, params, config = model
     mesh = make_mesh(*mesh_shape)
     sharded = shard_params(params, config, mesh)
     with on_mesh(mesh):
         hlo = _forward.lower(sharded, random_tokens(config.vocab_size, (4, 16)), config).compile().as_text()
     wte_split = config.vocab_size % mesh.shape["model"] == 0
-    assert _collectives(hlo) == {"all-reduce": 2 + wte_split, "all-gather": 0, "all-to-all": 0,
+    assert _collectives(hlo) == {"all-reduce": 2 * config.n_layer + wte_split, "all-gather": 0, "all-to-all": 0,
                                  "collective-permute": 0, "reduce-scatter": 0}  # fmt: skip
 
 
