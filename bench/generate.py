@@ -49,6 +49,37 @@ def first_call(preset: str, new: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def sampler_top_p(jax, jnp, np, gpt2_jax, repeats: int) -> None:
+    """top-p 0.9 alone at B=8 on a trained model's logits (the bundled Shakespeare model: real, narrow
+    nuclei; a random model's are ~90% of the vocab and take the full sort): the draw through its
+    candidate window against the full sort of V, the sampler alone."""
+    from pathlib import Path
+
+    from gpt2_jax import sampling
+
+    params, config = gpt2_jax.load(Path(gpt2_jax.__file__).parent / "assets" / "shakespeare")
+    enc = gpt2_jax.tokenizer()
+    lines = ["ROMEO:", "JULIET:\nO Romeo", "To be, or not", "HAMLET:", "KING:", "First Citizen:", "O, that", "Now is"]
+    logits = jnp.stack([gpt2_jax.forward(params, [enc.encode(t)], config)[0, -1] for t in lines])
+    settings = sampling.row_settings(1.0, 0, 0.9, 8)
+    keys = jax.random.split(jax.random.key(0), 8)
+    window = jax.jit(sampling.sample_rows)
+
+    @jax.jit
+    def full(keys, logits, settings):  # the reference's filter over a full sort, then the same draw
+        scaled = sampling.apply_temperature(logits, settings)
+        kept = sampling.filter_scaled(scaled, settings) > -jnp.inf
+        weight = jnp.where(kept, jnp.exp(scaled - scaled.max(-1, keepdims=True)), 0.0)
+        return sampling.inverse_cdf(weight, jax.vmap(jax.random.uniform)(keys)), kept.sum(-1)
+
+    same = (np.asarray(window(keys, logits, settings)) == np.asarray(full(keys, logits, settings)[0])).all()
+    tw = best_of(lambda: window(keys, logits, settings).block_until_ready(), repeats + 2)
+    tf = best_of(lambda: full(keys, logits, settings)[0].block_until_ready(), repeats + 2)
+    sizes = np.asarray(full(keys, logits, settings)[1])
+    print(f"sampler alone, B=8, top-p 0.9 (bundled model's logits, nuclei of {sizes.min()}-{sizes.max()} tokens): "
+          f"candidate window {tw * 1e3:.2f} ms vs full sort {tf * 1e3:.2f} ms ({tf / tw:.0f}x); same tokens: {same}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=3)
@@ -131,6 +162,7 @@ def main() -> None:
     jt, ht = best_of(ours_prefill, args.repeats), best_of(theirs_prefill, args.repeats)
     report(f"prefill {PREFILL} tokens + 1 new, B=1", jt, ht, bound(1, PREFILL, PREFILL + 16, 1), "ms     ")
 
+    sampler_top_p(jax, jnp, np, gpt2_jax, args.repeats)
     print(f"KV cache at B=1, S={S}: {2 * L * S * D * 4:,} bytes; weights read per decode step: {weights / 1e6:.0f} MB")
     for preset, new in (("gpt2", NEW), ("gpt2-xl", 16)):
         if preset == "gpt2-xl" and args.skip_xl:

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from gpt2_jax.config import GPT2Config
-from gpt2_jax.numerics import MIN_REDUCE, min_rows, pad_rows
+from gpt2_jax.numerics import MIN_REDUCE
 from gpt2_jax.scan import apply_weight, take
 from gpt2_jax.sharding import constrain
 
@@ -28,15 +28,18 @@ NEG_INF = jnp.finfo(F32).min  # finite, so a fully masked row gives a uniform so
 
 def layer_norm(p: dict, x: jax.Array, eps: float) -> jax.Array:
     """[..., D] -> [..., D]: normalise over D (biased variance), then scale and shift."""
-    shape = x.shape
-    x = x.astype(F32).reshape(-1, shape[-1])
-    M = x.shape[0]
-    x = pad_rows(x, min_rows(M, shape[-1]))  # so one row rounds as among many (see gpt2_jax.numerics)
+    x = x.astype(F32)
+    # Enough rows that one token rounds as among many (see gpt2_jax.numerics); padded along T, the axis
+    # no mesh splits, with zeros (finite), and dropped after.
+    T, D = x.shape[-2:] if x.ndim >= 2 else (1, x.shape[-1])
+    extra = max(0, -(-MIN_REDUCE // (x.size // T)) - T)  # x.size // T: elements per unit of T
+    if x.ndim >= 2 and extra > 0:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, extra), (0, 0)])
     mean = x.mean(-1, keepdims=True)
     var = jnp.square(x - mean).mean(-1, keepdims=True)
     y = (x - mean) * jax.lax.rsqrt(var + eps) * take(p["weight"]).astype(F32)
     y = y + take(p["bias"]).astype(F32) if "bias" in p else y
-    return y[:M].reshape(shape)
+    return y[..., :T, :] if x.ndim >= 2 and extra > 0 else y
 
 
 def matmul(x: jax.Array, w: jax.Array) -> jax.Array:

@@ -171,7 +171,7 @@ def test_sharded_train_step_matches_one_device(models, vocab, mesh_shape):
     for m1, m2 in metrics:
         assert rel_err(m2["loss"], m1["loss"]) <= 1e-6 and rel_err(m2["grad_norm"], m1["grad_norm"]) <= 1e-5
     mu = many.opt_state[1][0].mu  # AdamW's first moment lives where its parameter does
-    assert mu["h"]["mlp"]["c_fc"]["weight"].sharding == many.params["h"]["mlp"]["c_fc"]["weight"].sharding
+    assert mu["h"][0]["mlp"]["c_fc"]["weight"].sharding == many.params["h"][0]["mlp"]["c_fc"]["weight"].sharding
 
 
 def test_checkpoints_restore_straight_into_a_mesh(model, tmp_path):
@@ -190,7 +190,7 @@ def test_a_huggingface_directory_loads_into_a_mesh(model, tmp_path):
     hf, params, config = model
     hf.save_pretrained(tmp_path / "hf")
     sharded, _ = gpt2_jax.load(tmp_path / "hf", mesh=make_mesh(1, 8))
-    assert tuple(sharded["h"]["mlp"]["c_fc"]["weight"].sharding.spec) == (None, None, "model")
+    assert tuple(sharded["h"][0]["mlp"]["c_fc"]["weight"].sharding.spec) == ("model", None)  # [F, D]: F split
     for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
