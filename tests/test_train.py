@@ -12,10 +12,10 @@ import gpt2_jax
 from gpt2_jax.cli import main
 from gpt2_jax.data import DataError, TokenData, prepare
 from gpt2_jax.errors import ConfigError, GPT2JaxError
+from gpt2_jax.params import from_tree
 from gpt2_jax.sharding import make_mesh
 from gpt2_jax.train import Hyper, decay_mask, init_state, loss_fn, make_optimizer, make_train_step
 from gpt2_jax.trainer import train
-from gpt2_jax.params import from_tree
 from tests.reference import make_hf_model, prepared_text, rel_err, saved_and_loaded
 
 SHAPE = dict(n_layer=2, n_head=3, n_embd=48, vocab_size=101, n_positions=32)
