@@ -1,0 +1,143 @@
+"""What a constraint is: the Constraint value, its three constructors and their eager validation.
+
+Every constraint is held as the regex it compiles to (outlines-core's Rust regex syntax), checked
+at construction by building outlines-core's DFA index over a 256-token vocabulary of single bytes.
+GPT-2's byte-level BPE holds all 256 single bytes as tokens, so a pattern that passes here can be
+spelled by GPT-2 tokens too.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass, field
+
+from gpt2_jax.errors import ConfigError
+
+KINDS = ("regex", "choice", "json_schema")
+# regex-syntax's is_meta_character: the characters that Rust's regex crate lets (or needs) a
+# backslash before. Escaping anything else is an error there: "\<" and "\>" are word boundaries,
+# and a backslash before a letter, a digit or a non-ASCII character is an unknown escape.
+RUST_META = frozenset("\\.+*?()|[]{}^$#&-~")
+
+
+class ConstraintError(ConfigError):
+    """A constraint that cannot be compiled: bad regex, bad JSON schema, bad choice list, wrong vocabulary."""
+
+
+def escape(text: str) -> str:
+    """Escape `text` so that Rust's regex (outlines-core) matches it literally, character for character.
+
+    Only regex-syntax's meta characters get a backslash; spaces, quotes, newlines and non-ASCII text
+    stay as they are, because Rust's regex treats them as literals (and rejects `\\é`).
+    """
+    return "".join("\\" + ch if ch in RUST_META else ch for ch in text)
+
+
+@functools.lru_cache(maxsize=1)
+def _bytes_vocabulary():
+    """outlines-core Vocabulary of the 256 single bytes (ids 0..255, EOS 256): cheap to index against."""
+    from outlines_core import Vocabulary
+
+    return Vocabulary(256, {bytes([i]): [i] for i in range(256)})
+
+
+@functools.lru_cache(maxsize=1024)
+def regex_problem(pattern: str) -> str | None:
+    """outlines-core's complaint about `pattern`, or None when it builds an index (so it is usable)."""
+    from outlines_core import Index
+
+    try:
+        Index(pattern, _bytes_vocabulary())
+    except Exception as e:  # outlines-core raises ValueError; anything else is still a refusal
+        message = str(e).strip()
+        if message.startswith("The vocabulary provided is incompatible"):
+            return f"the pattern matches no text at all ({message})"
+        return message
+    return None
+
+
+@dataclass(frozen=True, repr=False)
+class Constraint:
+    """A validated constraint on generated text: `source` is the regex the whole output must match.
+
+    Frozen and hashable (equal kind and source compare equal), so it keys compile_constraint's cache.
+    Build one with regex(), choice() or json_schema(); direct construction validates the regex too.
+    """
+
+    kind: str
+    source: str
+    description: str = field(default="", compare=False)
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ConstraintError(f"constraint kind must be one of {KINDS}, got {self.kind!r}")
+        if not isinstance(self.source, str):
+            raise ConstraintError(f"constraint source must be a regex string, got {type(self.source).__name__}")
+        problem = regex_problem(self.source)
+        if problem is not None:
+            what = self.description or f"{self.kind} constraint"
+            if self.kind == "regex":
+                raise ConstraintError(f"invalid regex {self.source!r}: outlines-core says: {problem}")
+            raise ConstraintError(f"{what} compiles to regex {self.source!r}, which outlines-core rejects: {problem}")
+
+    def __repr__(self) -> str:
+        return f"Constraint({self.description or self.kind + ' ' + repr(self.source)})"
+
+
+def _short(text: str, n: int = 60) -> str:
+    """repr of text, cut to about n characters for messages and reprs."""
+    r = repr(text)
+    return r if len(r) <= n else r[: n - 4] + "...'"
+
+
+def regex(pattern: str) -> Constraint:
+    """The output must match `pattern` completely (Rust regex syntax, as outlines-core reads it)."""
+    if not isinstance(pattern, str):
+        raise ConstraintError(f"regex pattern must be a str, got {type(pattern).__name__}")
+    return Constraint("regex", pattern, f"regex {_short(pattern)}")
+
+
+def choice(options: list[str]) -> Constraint:
+    """The output must be exactly one of `options` (matched literally; duplicates are harmless)."""
+    if isinstance(options, str) or not hasattr(options, "__iter__"):
+        raise ConstraintError(f"choice needs a list of strings, got {type(options).__name__}")
+    options = list(options)
+    if not options:
+        raise ConstraintError("choice needs at least one option")
+    for i, option in enumerate(options):
+        if not isinstance(option, str):
+            raise ConstraintError(f"choice option {i} must be a str, got {type(option).__name__}: {option!r}")
+    unique = list(dict.fromkeys(options))
+    source = "(" + "|".join(escape(o) for o in unique) + ")"
+    shown = ", ".join(_short(o, 24) for o in unique[:4]) + (", ..." if len(unique) > 4 else "")
+    return Constraint("choice", source, f"choice of {len(unique)}: [{shown}]")
+
+
+def json_schema(schema: dict | str, *, whitespace: str | None = None) -> Constraint:
+    """The output must be JSON valid under `schema` (a dict, or its JSON text), as outlines-core
+    turns it into a regex. `whitespace` is the regex allowed between tokens (outlines' default `[ ]?`)."""
+    if isinstance(schema, dict):
+        try:
+            text = json.dumps(schema)
+        except (TypeError, ValueError) as e:
+            raise ConstraintError(f"JSON schema is not JSON-serialisable: {e}") from None
+    elif isinstance(schema, str):
+        text = schema
+        try:
+            json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConstraintError(f"JSON schema text is not valid JSON: {e}") from None
+    else:
+        raise ConstraintError(f"JSON schema must be a dict or a JSON string, got {type(schema).__name__}")
+    if whitespace is not None and not isinstance(whitespace, str):
+        raise ConstraintError(f"whitespace must be a regex string or None, got {type(whitespace).__name__}")
+    if whitespace is not None and (problem := regex_problem(whitespace)) is not None:
+        raise ConstraintError(f"invalid whitespace regex {whitespace!r}: outlines-core says: {problem}")
+    from outlines_core.json_schema import build_regex_from_schema
+
+    try:
+        source = build_regex_from_schema(text, whitespace)
+    except Exception as e:  # ValueError or TypeError from the Rust side
+        raise ConstraintError(f"invalid JSON schema {_short(text)}: outlines-core says: {str(e).strip()}") from None
+    return Constraint("json_schema", source, f"JSON schema {_short(text)}")
