@@ -1,5 +1,7 @@
-"""Next-token sampling: temperature, top-k and top-p (nucleus) filtering, then one keyed draw per row.
+"""Next-token sampling: logits processors, then temperature, top-k, top-p and min-p, then one keyed draw per row.
 
+  processors.py the logits processors (bias, penalties, banned n-grams/words, min new tokens) and their order
+  options.py   their host-side checks and per-row packing; process_logits
   settings.py  RowSettings (one traced value per row), validation, row keys
   filters.py   the reference: apply_temperature, top_k_mask, top_p_mask, filter_logits, next_token_probs
   draw.py      the fast per-row programs (reusing those masks) and the path-independent inverse-CDF draw
@@ -9,12 +11,19 @@ from gpt2_jax.sampling.draw import (
     CANDIDATES, FULL, GREEDY, PLAIN, WINDOW, argmax, inverse_cdf, row_programs, sample, sample_rows, token_logprobs,
 )  # fmt: skip
 from gpt2_jax.sampling.filters import (
-    apply_temperature, cumsum, filter_logits, filter_scaled, next_token_probs, top_k_mask, top_p_mask,
+    apply_temperature, cumsum, filter_logits, filter_scaled, min_p_mask, next_token_probs, top_k_mask, top_p_mask,
+)  # fmt: skip
+from gpt2_jax.sampling.options import process_logits, processor_settings
+from gpt2_jax.sampling.processors import (
+    MAX_NGRAM, ProcessorSettings, ProcessorState, apply_logit_bias, apply_presence_frequency, apply_processors,
+    apply_repetition_penalty, bad_word_tokens, early_stop_tokens, repeated_ngrams,
 )  # fmt: skip
 from gpt2_jax.sampling.settings import RowSettings, check_sampling_args, row_keys, row_settings
 
 __all__ = [
     "CANDIDATES", "FULL", "GREEDY", "PLAIN", "WINDOW", "row_programs", "RowSettings", "apply_temperature", "argmax", "check_sampling_args", "cumsum", "filter_logits",
     "filter_scaled", "inverse_cdf", "next_token_probs", "row_keys", "row_settings", "sample", "sample_rows",
-    "token_logprobs", "top_k_mask", "top_p_mask",
+    "token_logprobs", "top_k_mask", "top_p_mask", "min_p_mask", "process_logits", "processor_settings", "MAX_NGRAM",
+    "ProcessorSettings", "ProcessorState", "apply_logit_bias", "apply_presence_frequency", "apply_processors",
+    "apply_repetition_penalty", "bad_word_tokens", "early_stop_tokens", "repeated_ngrams",
 ]  # fmt: skip

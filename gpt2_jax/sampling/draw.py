@@ -2,7 +2,7 @@
 
 Every row takes the cheapest exact program for its own settings and logits (never its neighbours'):
   greedy       temperature 0: the argmax (first maximum), no random numbers.
-  plain        no top-k and top-p == 1: the inverse CDF over all V weights.
+  plain        no top-k and top-p == 1: the inverse CDF over all V weights (min-p applied to them).
   window       top-k <= C - 1, or top-p alone whose nucleus lies inside the C largest candidates:
                top_k_mask / top_p_mask on those C candidates only (lax.top_k, no sort of V).
   full         anything else: the full sort of filters.filter_scaled.
@@ -27,7 +27,9 @@ import jax
 import jax.numpy as jnp
 
 from gpt2_jax.numerics import min_rows, pad_rows
-from gpt2_jax.sampling.filters import apply_temperature, check_logits, cumsum, filter_scaled, top_k_mask, top_p_mask
+from gpt2_jax.sampling.filters import (
+    apply_temperature, check_logits, cumsum, filter_scaled, min_p_mask, top_k_mask, top_p_mask,
+)  # fmt: skip
 from gpt2_jax.sampling.settings import RowSettings, row_keys, row_settings
 
 CANDIDATES = 1024  # C: the window; top_k <= C - 1 always fits it, a top-p nucleus often does
@@ -79,6 +81,7 @@ def _window(scaled, weight, u, settings, k, use_k, use_p):
     fits_p = use_k | (c == v) | (below <= settings.top_p_drop)
     ids, keep = jax.lax.sort((ids, keep), dimension=-1, num_keys=1)  # increasing id order
     w = jnp.where(keep, jnp.take_along_axis(weight, ids, axis=-1), 0.0)
+    w = jnp.where(min_p_mask(w, settings.min_p), w, 0.0)
     token = jnp.take_along_axis(ids, inverse_cdf(w, u)[:, None], axis=-1)[:, 0]
     return token, (use_k | use_p) & fits_k & fits_p
 
@@ -119,7 +122,8 @@ def sample_rows(keys: jax.Array, logits: jax.Array, settings: RowSettings, n_val
     zeros = jnp.zeros(rows, jnp.int32)
 
     best = argmax(scaled)
-    full_plain = jax.lax.cond(jnp.any(plain), lambda: inverse_cdf(weight, u), lambda: zeros)
+    plain_weight = lambda: jnp.where(min_p_mask(weight, settings.min_p), weight, 0.0)  # noqa: E731
+    full_plain = jax.lax.cond(jnp.any(plain), lambda: inverse_cdf(plain_weight(), u), lambda: zeros)
     win, exact = jax.lax.cond(jnp.any(use_k | use_p), lambda: _window(scaled, weight, u, settings, k, use_k, use_p),
                               lambda: (zeros, jnp.zeros(rows, bool)))  # fmt: skip
     need_full = ~greedy & ~plain & ~exact
@@ -145,10 +149,10 @@ def _sample_jit(keys: jax.Array, logits: jax.Array, settings: RowSettings, n_val
     return sample_rows(keys, logits, settings, n_valid)
 
 
-def sample(key: jax.Array, logits: jax.Array, *, temperature: Any, top_k: Any, top_p: Any,
+def sample(key: jax.Array, logits: jax.Array, *, temperature: Any, top_k: Any, top_p: Any, min_p: Any = 0.0,
            n_valid: int | None = None) -> jax.Array:
     """One PRNG key or one per row [B], logits [B, V] -> next tokens [B] int32."""
     logits = jnp.asarray(logits)
     check_logits(logits, n_valid)
     B = logits.shape[0]
-    return _sample_jit(row_keys(key, B), logits, row_settings(temperature, top_k, top_p, B), n_valid)
+    return _sample_jit(row_keys(key, B), logits, row_settings(temperature, top_k, top_p, B, min_p), n_valid)

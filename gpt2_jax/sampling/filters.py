@@ -1,7 +1,8 @@
-"""The sampling reference: temperature -> top-k -> top-p -> softmax, one small pure function per concept.
+"""The sampling reference: temperature -> top-k -> top-p -> min-p -> softmax, one small pure function per concept.
 
-The semantics are transformers' TemperatureLogitsWarper -> TopKLogitsWarper -> TopPLogitsWarper; temperature
-0 means greedy. `filter_logits` composes the pieces over a full sort of V, and `next_token_probs` is the
+The semantics are transformers' TemperatureLogitsWarper -> TopKLogitsWarper -> TopPLogitsWarper ->
+MinPLogitsWarper; temperature 0 means greedy. They run after the logits processors
+(gpt2_jax.sampling.processors, whose docstring gives the whole order). `filter_logits` composes the pieces over a full sort of V, and `next_token_probs` is the
 exact distribution every draw follows. The fast run-time programs (gpt2_jax.sampling.draw) reuse
 top_k_mask and top_p_mask on a window of candidates.
 
@@ -17,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from gpt2_jax.errors import ConfigError, InputError
+from gpt2_jax.sampling.options import process_logits
 from gpt2_jax.sampling.settings import RowSettings, row_settings
 
 
@@ -65,6 +67,13 @@ def top_p_mask(probs: jax.Array, drop: jax.Array, below: jax.Array | float = 0.0
     return ~(cum <= drop[:, None]).at[:, -1].set(False)
 
 
+def min_p_mask(probs: jax.Array, min_p: jax.Array) -> jax.Array:
+    """probs [B, N] (any positive scale, 0 where removed), min_p [B] -> keep [B, N]: MinPLogitsWarper's rule,
+    drop a token less likely than min_p times the most likely one (which always stays)."""
+    top = jnp.max(probs, axis=-1, keepdims=True)
+    return (probs >= min_p[:, None] * top) | (probs == top)
+
+
 def filter_logits(logits: jax.Array, settings: RowSettings, n_valid: int | None = None) -> jax.Array:
     """[B, V] logits -> [B, V] float32 log-weights, -inf where filtered out (a one-hot for greedy rows)."""
     return filter_scaled(apply_temperature(logits, settings, n_valid), settings)
@@ -82,6 +91,7 @@ def filter_scaled(scaled: jax.Array, settings: RowSettings) -> jax.Array:
     k = jnp.where(settings.top_k <= 0, v, jnp.minimum(settings.top_k, v))  # 0 (off) or >= V keep all
     asc = jnp.where(top_k_mask(asc, k), asc, -jnp.inf)
     asc = jnp.where(top_p_mask(jax.nn.softmax(asc, axis=-1), settings.top_p_drop), asc, -jnp.inf)
+    asc = jnp.where(min_p_mask(jax.nn.softmax(asc, axis=-1), settings.min_p), asc, -jnp.inf)
     filtered = jnp.zeros_like(asc).at[jnp.arange(b)[:, None], order].set(asc)  # undo the sort
     # Greedy is a one-hot in log space, so softmax and categorical give the argmax exactly
     # (argmax resolves ties to the lowest index).
@@ -102,9 +112,16 @@ def _probs_jit(logits: jax.Array, settings: RowSettings, n_valid: int | None) ->
     return jax.nn.softmax(filter_logits(logits, settings, n_valid), axis=-1)
 
 
-def next_token_probs(logits: jax.Array, *, temperature: Any, top_k: Any, top_p: Any,
-                     n_valid: int | None = None) -> jax.Array:
-    """[B, V] logits -> [B, V] float32: the exact distribution `sample` draws each row from."""
+def next_token_probs(logits: jax.Array, *, temperature: Any, top_k: Any, top_p: Any, min_p: Any = 0.0,
+                     n_valid: int | None = None, prompts: Any = None, outputs: Any = None,
+                     eos_id: int | None = None, stop_ids: Any = (), **processors: Any) -> jax.Array:
+    """[B, V] logits -> [B, V] float32: the exact distribution `sample` draws each row from. With
+    processors (generate's repetition_penalty, logit_bias, ...), prompts [B] and outputs [B] (token-id
+    lists) give each row's text so far, and the logits are processed first (gpt2_jax.sampling.options.process_logits)."""
     logits = jnp.asarray(logits)
     check_logits(logits, n_valid)
-    return _probs_jit(logits, row_settings(temperature, top_k, top_p, logits.shape[0]), n_valid)
+    if processors or prompts is not None:
+        prompts = [[] for _ in range(logits.shape[0])] if prompts is None else prompts
+        logits = process_logits(logits, prompts=prompts, outputs=outputs, eos_id=eos_id, stop_ids=stop_ids,
+                                **processors)  # fmt: skip
+    return _probs_jit(logits, row_settings(temperature, top_k, top_p, logits.shape[0], min_p), n_valid)

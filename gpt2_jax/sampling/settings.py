@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gpt2_jax.errors import ConfigError
+from gpt2_jax.sampling.options import row_scalar
 
 
 class RowSettings(NamedTuple):
@@ -24,6 +25,7 @@ class RowSettings(NamedTuple):
     # drops tokens. transformers subtracts in float64 and compares in float32; doing the same here on
     # the host keeps exact-boundary cases identical (1 - float32(0.9) is 3 ulps away from float32(0.1)).
     top_p_drop: jax.Array
+    min_p: jax.Array  # [B] float32; 0 = off (applied after top-p, as transformers' MinPLogitsWarper)
 
 
 def _is_tracer(x: Any) -> bool:
@@ -55,9 +57,10 @@ def check_sampling_args(temperature: Any, top_k: Any, top_p: Any, batch_size: in
             raise ConfigError(f"{where} must be {allowed}, got {np.atleast_1d(v)[bad[0]].item()!r}")
 
 
-def row_settings(temperature: Any, top_k: Any, top_p: Any, batch_size: int) -> RowSettings:
+def row_settings(temperature: Any, top_k: Any, top_p: Any, batch_size: int, min_p: Any = 0.0) -> RowSettings:
     """Validate (when concrete) and broadcast scalar or [B] settings to RowSettings of [B] arrays."""
     check_sampling_args(temperature, top_k, top_p, batch_size)
+    min_p = min_p if _is_tracer(min_p) else row_scalar("min_p", min_p, batch_size)
     shape = (batch_size,)
 
     def rows(x, dtype):  # concrete values stay host arrays, so no eager op compiles per value
@@ -70,7 +73,7 @@ def row_settings(temperature: Any, top_k: Any, top_p: Any, batch_size: int) -> R
         drop = 1 - jnp.asarray(top_p, jnp.float32)
     else:
         drop = (1.0 - np.asarray(top_p, np.float64)).astype(np.float32)
-    return RowSettings(rows(temperature, np.float32), rows(k, np.int32), rows(drop, np.float32))
+    return RowSettings(rows(temperature, np.float32), rows(k, np.int32), rows(drop, np.float32), rows(min_p, np.float32))
 
 
 def row_keys(key: Any, batch_size: int) -> jax.Array:

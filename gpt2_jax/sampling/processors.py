@@ -1,0 +1,166 @@
+"""Logits processors: logit bias, penalties, banned n-grams and words, min new tokens, one pure function each.
+
+They run on the raw next-token logits [B, V], per row, before the sampler's warpers, in this order
+(the one place it is written; the README repeats it):
+
+  1. logit_bias          logits + bias[token]                                   (OpenAI; bias in [-100, 100])
+  2. repetition_penalty  a token of prompt + output: x / theta if x > 0 else x * theta, once per token (HF)
+  3. frequency_penalty,  x - frequency * count - presence * (count > 0), over the output only (OpenAI)
+     presence_penalty
+  4. no_repeat_ngram     -inf for a token that would repeat an n-gram of prompt + output (HF)
+  5. bad_words_ids       -inf for a sequence's last token when its prefix ends the text (HF)
+  6. min_new_tokens      -inf for EOS and the stop ids until that many tokens are generated (HF)
+  7. constraint          -inf for a token the row's automaton does not allow (gpt2_jax.constraints)
+then the warpers of gpt2_jax.sampling.filters: temperature -> top-k -> top-p -> min-p (transformers' order).
+
+Against transformers: 2, 4, 5, 6 and min-p are its processors with its semantics and relative order.
+Against vLLM: the same order of bias then repetition, frequency and presence penalties; vLLM applies
+min-p before top-k/top-p, transformers (and we) after top-p.
+
+Every setting is one traced value per row, and a row whose settings are off (bias 0, theta 1,
+penalties 0, n 0, no words, 0 min tokens, no constraint) gets its logits back bit for bit, so
+rows never affect each other. The state the processors read (the token history, output counts)
+is carried in the decode loop as a ProcessorState.
+
+Shape legend: B batch, V vocab, S cache slots (positions), W banned words, M tokens per word,
+N logit-bias entries.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+MAX_NGRAM = 16  # the longest n-gram no_repeat_ngram_size may ban (a static window of the history)
+
+
+class ProcessorSettings(NamedTuple):
+    """Per-row processor settings, all traced (see gpt2_jax.sampling.options for validation)."""
+
+    bias_ids: jax.Array  # [B, N] int32 token ids of logit_bias (unused entries: id 0, bias 0)
+    bias: jax.Array  # [B, N] float32
+    repetition_penalty: jax.Array  # [B] float32 theta; 1 = off
+    frequency_penalty: jax.Array  # [B] float32; 0 = off
+    presence_penalty: jax.Array  # [B] float32; 0 = off
+    no_repeat_ngram_size: jax.Array  # [B] int32 n; 0 = off
+    bad_words: jax.Array  # [B, W, M] int32 token sequences, left-aligned
+    bad_word_lengths: jax.Array  # [B, W] int32; 0 = unused slot
+    min_new_tokens: jax.Array  # [B] int32; 0 = off
+
+
+class ProcessorState(NamedTuple):
+    """What the processors read, updated after every draw."""
+
+    history: jax.Array  # [B, S] int32: the row's prompt then output tokens, token at position s in slot s
+    in_prompt: jax.Array  # [B, V] bool: the token occurs in the prompt
+    counts: jax.Array  # [B, V] int32: times the token was generated
+
+
+def apply_logit_bias(logits: jax.Array, ids: jax.Array, bias: jax.Array) -> jax.Array:
+    """[B, V] + bias [B, N] at token ids [B, N]. Unused entries add 0.0 to token 0, which changes nothing."""
+    rows = jnp.arange(logits.shape[0])[:, None]
+    return logits.at[rows, ids].add(bias)
+
+
+def apply_repetition_penalty(logits: jax.Array, seen: jax.Array, theta: jax.Array) -> jax.Array:
+    """transformers' RepetitionPenaltyLogitsProcessor: a seen token's logit [B, V] (seen [B, V]) is divided
+    by theta [B] when positive, multiplied when negative; theta 1 leaves every bit as it was."""
+    t = theta[:, None]
+    return jnp.where(seen, jnp.where(logits < 0, logits * t, logits / t), logits)
+
+
+def apply_presence_frequency(logits: jax.Array, counts: jax.Array, frequency: jax.Array,
+                             presence: jax.Array) -> jax.Array:
+    """OpenAI's penalties over the output tokens: logits - frequency * count - presence * (count > 0)."""
+    logits = logits - frequency[:, None] * counts.astype(jnp.float32)
+    return logits - presence[:, None] * (counts > 0).astype(jnp.float32)
+
+
+def ban(logits: jax.Array, banned: jax.Array) -> jax.Array:
+    """-inf where banned [B, V]."""
+    return jnp.where(banned, -jnp.inf, logits)
+
+
+def _scatter_tokens(ids: jax.Array, hit: jax.Array, v: int) -> jax.Array:
+    """Token ids [B, J] where hit [B, J] -> [B, V] bool marking them (ids where ~hit are dropped)."""
+    rows = jnp.arange(ids.shape[0])[:, None]
+    return jnp.zeros((ids.shape[0], v), bool).at[rows, jnp.where(hit, ids, v)].set(True, mode="drop")
+
+
+def repeated_ngrams(history: jax.Array, length: jax.Array, n: jax.Array, v: int) -> jax.Array:
+    """transformers' NoRepeatNGramLogitsProcessor -> banned [B, V]: with the text history[:length] [B, S],
+    a token t is banned when (last n-1 tokens, t) already occurs as an n-gram of the text. n [B], 0 = off."""
+    b, s = history.shape
+    i = jnp.arange(MAX_NGRAM - 1)
+    padded = jnp.concatenate([history, jnp.zeros((b, MAX_NGRAM), history.dtype)], axis=1)
+    tail = jnp.take_along_axis(padded, jnp.clip(length[:, None] - n[:, None] + 1 + i, 0, s - 1), axis=1)  # [B, n-1]
+    j = jnp.arange(s)
+    window = padded[:, j[:, None] + i[None, :]]  # [B, S, n-1]: the n-1 tokens starting at each j
+    same = (window == tail[:, None, :]) | (i >= n[:, None] - 1)[:, None, :]
+    # the n-gram starting at j must end inside the text: j + n - 1 < length
+    hit = same.all(-1) & (j[None, :] + n[:, None] <= length[:, None]) & (n[:, None] > 0)
+    last = jnp.take_along_axis(padded, jnp.clip(j[None, :] + n[:, None] - 1, 0, s - 1), axis=1)
+    return _scatter_tokens(last, hit, v)
+
+
+def bad_word_tokens(history: jax.Array, length: jax.Array, words: jax.Array, word_len: jax.Array,
+                    v: int) -> jax.Array:
+    """transformers' NoBadWordsLogitsProcessor -> banned [B, V]: a word's last token when the word's other
+    tokens (words [B, W, M], lengths [B, W]) end the text history[:length]; a one-token word always."""
+    b, w, m = words.shape
+    i = jnp.arange(m)
+    prefix = word_len[..., None] - 1  # [B, W, 1]
+    at = length[:, None, None] - prefix + i  # where token i of the prefix must sit
+    seen = jnp.take_along_axis(history, jnp.clip(at, 0, history.shape[1] - 1).reshape(b, -1), axis=1).reshape(b, w, m)
+    same = (seen == words) | (i >= prefix)
+    hit = same.all(-1) & (word_len > 0) & (length[:, None] >= prefix[..., 0])
+    last = jnp.take_along_axis(words, jnp.clip(word_len - 1, 0, m - 1)[..., None], axis=-1)[..., 0]
+    return _scatter_tokens(last, hit, v)
+
+
+def early_stop_tokens(generated: jax.Array, min_new: jax.Array, stop_ids: jax.Array, v: int) -> jax.Array:
+    """transformers' MinNewTokensLengthLogitsProcessor -> banned [B, V]: the stop ids [P] (EOS among them,
+    -1 = unused) while a row has generated fewer than min_new [B] tokens."""
+    early = (generated < min_new)[:, None] & (stop_ids >= 0)[None, :]
+    return _scatter_tokens(jnp.broadcast_to(stop_ids, early.shape), early, v)
+
+
+def apply_processors(logits: jax.Array, p: ProcessorSettings, state: ProcessorState, length: jax.Array,
+                     generated: jax.Array, stop_ids: jax.Array, allowed: jax.Array | None = None) -> jax.Array:
+    """Raw logits [B, V] -> processed float32 logits [B, V], in the module docstring's order. length [B]: the
+    text's length (prompt + output); generated [B]: output tokens so far; allowed [B, V]: a constraint's mask.
+    The n-gram and word scans run only when some row of the batch uses them (lax.cond), so they cost
+    nothing otherwise; either branch gives an unaffected row the same bits."""
+    v = logits.shape[-1]
+    x = apply_logit_bias(logits.astype(jnp.float32), p.bias_ids, p.bias)
+    x = apply_repetition_penalty(x, state.in_prompt | (state.counts > 0), p.repetition_penalty)
+    x = apply_presence_frequency(x, state.counts, p.frequency_penalty, p.presence_penalty)
+    none = jnp.zeros(x.shape, bool)
+    banned = jax.lax.cond(jnp.any(p.no_repeat_ngram_size > 0),
+                          lambda: repeated_ngrams(state.history, length, p.no_repeat_ngram_size, v), lambda: none)
+    banned |= jax.lax.cond(jnp.any(p.bad_word_lengths > 0),
+                           lambda: bad_word_tokens(state.history, length, p.bad_words, p.bad_word_lengths, v),
+                           lambda: none)  # fmt: skip
+    banned |= early_stop_tokens(generated, p.min_new_tokens, stop_ids, v)
+    if allowed is not None:
+        banned |= ~allowed
+    return ban(x, banned)
+
+
+def init_state(prompts: jax.Array, lengths: jax.Array, capacity: int, v: int) -> ProcessorState:
+    """Right-padded prompts [B, P], lengths [B] -> the state before the first draw (history of S slots)."""
+    b, p = prompts.shape
+    history = jnp.zeros((b, capacity), jnp.int32).at[:, :p].set(prompts)
+    real = jnp.arange(p)[None, :] < lengths[:, None]
+    return ProcessorState(history, _scatter_tokens(prompts, real, v), jnp.zeros((b, v), jnp.int32))
+
+
+def update_state(state: ProcessorState, token: jax.Array, length: jax.Array, live: jax.Array) -> ProcessorState:
+    """Record the drawn tokens [B] at positions length [B]; rows that are not live [B] (stopped) keep theirs."""
+    rows = jnp.arange(token.shape[0])
+    s, v = state.history.shape[1], state.counts.shape[1]
+    history = state.history.at[rows, jnp.where(live, length, s)].set(token, mode="drop")
+    counts = state.counts.at[rows, jnp.where(live, token, v)].add(1, mode="drop")
+    return state._replace(history=history, counts=counts)
