@@ -1,192 +1,221 @@
 """Autoregressive generation: prefill the prompts in one pass, then a loop of decode steps, in one jit.
 
 Shapes are bucketed (prompt length P and step count N round up to powers of two), and every
-sampling setting, key and stop id is a traced value, so a new temperature never recompiles.
+sampling and processor setting, key and stop id is a traced value, so a new value never recompiles.
 A row's randomness is fold_in(row_key, absolute position): its tokens depend only on its prompt,
 key and settings, never on its batch neighbours, the batch size, the padding or the cache size.
+
+Stop strings are checked on the host between chunks of DECODE_CHUNK steps (the tokens after the
+completing token are dropped), so generation without them stays one jitted call.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gpt2_jax import sampling
-from gpt2_jax.cache import KVCache, init_cache
+from gpt2_jax import constraints, sampling
 from gpt2_jax.config import GPT2Config
-from gpt2_jax.model import forward_cached
+from gpt2_jax.decode import (  # noqa: F401  (prefill, generate_all: part of this module's API)
+    DecodeState, Rules, StopRule, decode_chunk, decode_step, generate_all, halt, prefill,
+)
+from gpt2_jax.errors import ConfigError
+from gpt2_jax.numerics import pad_rows
 from gpt2_jax.params import Params
 from gpt2_jax.prompts import Batch, check_stop_args, make_batch
-from gpt2_jax.sharding import constrain, data_size, mesh_of, on_mesh, replicate
+from gpt2_jax.sampling.options import check_top_logprobs, processor_settings
+from gpt2_jax.sharding import data_size, mesh_of, on_mesh
+from gpt2_jax.stops import StopHit, StopMatcher, check_stop_strings
 
 MAX_STOP_IDS = 8  # stop ids are padded to a fixed count so their number never changes a shape
-
-
-class StopRule(NamedTuple):
-    eos_id: jax.Array  # [] int32; -1 = never stop on EOS
-    stop_ids: jax.Array  # [MAX_STOP_IDS] int32; -1 = unused slot
-
-
-class DecodeState(NamedTuple):
-    cache: KVCache  # K/V [L, B, H, S, K]; lengths [B]: tokens held, i.e. the position of the token drawn next
-    logits: jax.Array  # [B, V] float32: next-token logits of each row
-    keys: jax.Array  # [B] PRNG keys, one per row
-    done: jax.Array  # [B] bool: the row has emitted EOS or a stop id
-    fill: jax.Array  # [B] int32: what a finished row emits (the EOS id, else its stop token)
-    generated: jax.Array  # [B] int32: tokens generated so far, the stopping token included
+DECODE_CHUNK = 16  # steps per jitted call when stop strings are checked on the host
+_generate = generate_all  # the jitted program (tests count its compiles)
 
 
 class GenerateResult(NamedTuple):
-    tokens: np.ndarray  # [B, max_new_tokens] int32; after a row stops: the EOS id
+    tokens: np.ndarray  # [B, max_new_tokens] int32; after a row stops: the EOS id (else its stopping token)
     lengths: np.ndarray  # [B] int32: generated tokens per row, the stopping token included
     logprobs: np.ndarray | None  # [B, max_new_tokens] float32 log p(token) under the raw logits
+    finish_reason: list | None = None  # [B] "stop" (EOS, a stop id or a stop string) or "length"
+    stop_string: list | None = None  # [B] the stop string that ended the row, else None
+    top_ids: np.ndarray | None = None  # [B, max_new_tokens, top_logprobs] the most likely ids (raw logits)
+    top_logprobs: np.ndarray | None = None  # [B, max_new_tokens, top_logprobs] their log-probabilities
 
 
-@functools.partial(jax.jit, static_argnames=("config", "capacity"))
-def prefill(params: Params, tokens: jax.Array, lengths: jax.Array, keys: jax.Array, config: GPT2Config,
-            capacity: int) -> DecodeState:
-    """Right-padded prompts [B, P] of lengths [B] -> the state before the first draw: one cached forward
-    writes every prompt's K/V into slots [0, P) of a fresh cache of `capacity` slots."""
-    tokens, lengths, keys = constrain(tokens, "BT"), constrain(lengths, "B"), constrain(keys, "B")  # rows over "data"
-    B = tokens.shape[0]
-    cache = init_cache(config, B, capacity, params["wte"].dtype)
-    logits, cache = forward_cached(params, tokens, cache, config, last=lengths - 1)
-    no = jnp.zeros(B, bool)
-    zero = jnp.zeros(B, jnp.int32)
-    return DecodeState(cache._replace(lengths=lengths), logits[:, 0], keys, no, zero, zero)
+class _Prepared(NamedTuple):
+    batch: Batch
+    rules: Rules
+    mesh: Any
+    stops: list[str]
+    r: int  # top logprobs asked for
 
 
-def _draw(state: DecodeState, settings: sampling.RowSettings, stop: StopRule, n_valid: int):
-    """Sample each row's next token -> (state with done/fill/lengths updated, tokens [B], logprobs [B])."""
-    keys = jax.vmap(jax.random.fold_in)(state.keys, state.cache.lengths)  # the drawn token's position
-    token = sampling.sample_rows(keys, state.logits, settings, n_valid)
-    logprob = sampling.token_logprobs(state.logits, token)
-    stops = (token == stop.eos_id) | (token[:, None] == stop.stop_ids[None, :]).any(-1)
-    token = jnp.where(state.done, state.fill, token)
-    logprob = jnp.where(state.done, 0.0, logprob)
-    fill = jnp.where(state.done, state.fill, jnp.where(stop.eos_id >= 0, stop.eos_id, token))
-    generated = state.generated + (~state.done).astype(jnp.int32)
-    return state._replace(done=state.done | stops, fill=fill, generated=generated), token, logprob
+def _constraint_rows(constraint: Any, rows: int, config: GPT2Config, eos: int) -> constraints.ConstraintTables:
+    """None, one Constraint for every row, or one (or None) per row -> the packed automaton tables."""
+    per_row = list(constraint) if isinstance(constraint, (list, tuple)) else [constraint] * rows
+    if len(per_row) != rows:
+        raise ConfigError(f"constraint given per row must have one entry per prompt ({rows}), got {len(per_row)}")
+    for c in per_row:
+        if c is not None and not isinstance(c, constraints.Constraint):
+            raise ConfigError(f"constraint must be a gpt2_jax.constraints object (regex, choice, json_schema), got {c!r}")
+    if any(c is not None for c in per_row) and eos < 0:
+        raise ConfigError("a constraint needs an EOS id to end on (its accepting states allow only EOS); "
+                          "pass eos_id=50256")  # fmt: skip
+    automata = [None if c is None else constraints.compile_constraint(c, config.vocab_size, eos) for c in per_row]
+    return constraints.pack(automata, config.vocab_size)
 
 
-def _feed(params: Params, state: DecodeState, token: jax.Array, config: GPT2Config) -> DecodeState:
-    """Run the drawn tokens [B] through the model: their K/V enter the cache, new logits come out."""
-    logits, cache = forward_cached(params, token[:, None], state.cache, config)
-    return state._replace(cache=cache, logits=logits[:, 0])
-
-
-@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("state",))
-def decode_step(params: Params, state: DecodeState, settings: sampling.RowSettings, stop: StopRule,
-                config: GPT2Config) -> tuple[DecodeState, jax.Array, jax.Array]:
-    """One streaming step: draw tokens [B] (and their logprobs [B]), then feed them back. The state is
-    donated: its cache is updated in place, so pass the returned state on and drop the old one. On a mesh, the tokens, logprobs and done flags come back whole on every device (and process)."""
-    state, token, logprob = _draw(state, settings, stop, config.valid_vocab)
-    state = _feed(params, state, token, config)
-    return state._replace(done=replicate(state.done)), *replicate((token, logprob))
-
-
-@functools.partial(jax.jit, static_argnames=("config", "capacity", "steps"))
-def _generate(params: Params, tokens: jax.Array, lengths: jax.Array, keys: jax.Array,
-              settings: sampling.RowSettings, stop: StopRule, max_new: jax.Array, config: GPT2Config,
-              capacity: int, steps: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """prefill + up to max_new draws -> (tokens [B, steps], logprobs [B, steps], lengths [B]).
-
-    The loop is lax.while_loop, scan's sibling with a run-time trip count: it stops after max_new
-    draws or once every row has stopped, never running the bucket's padding steps. (A lax.cond
-    inside a lax.scan would skip them too, but XLA then copies the whole KV cache every step:
-    8 ms of a 49 ms step at batch 8, measured.) Outputs are preallocated and written in place."""
-    state = prefill(params, tokens, lengths, keys, config, capacity)
-    B = tokens.shape[0]
-
-    def running(carry):
-        t, state, _, _ = carry
-        return (t < max_new) & ~state.done.all()
-
-    def step(carry):
-        t, state, toks, logprobs = carry
-        state, token, logprob = _draw(state, settings, stop, config.valid_vocab)
-        toks = jax.lax.dynamic_update_index_in_dim(toks, token, t, axis=1)
-        logprobs = jax.lax.dynamic_update_index_in_dim(logprobs, logprob, t, axis=1)
-        return t + 1, _feed(params, state, token, config), toks, logprobs
-
-    empty = (jnp.zeros((B, steps), jnp.int32), jnp.zeros((B, steps), jnp.float32))
-    t, state, toks, logprobs = jax.lax.while_loop(running, step, (jnp.zeros((), jnp.int32), state, *empty))
-    after = jnp.arange(steps)[None, :] >= t  # steps never drawn because every row had stopped
-    # On a mesh the (small) results come back whole, so every process can read them.
-    return replicate((jnp.where(after, state.fill[:, None], toks), jnp.where(after, 0.0, logprobs), state.generated))
-
-
-def _pad_rows(tree: Any, rows: int) -> Any:
-    """Repeat every leaf's last row until it has `rows` rows."""
-
-    def pad(a):
-        extra = rows - a.shape[0]
-        xp = np if isinstance(a, np.ndarray) else jnp
-        return a if extra == 0 else xp.concatenate([a] + [a[-1:]] * extra)
-
-    return jax.tree.map(pad, tree)
-
-
-def _prepare(params: Params, config: GPT2Config, prompts: Any, key: jax.Array, max_new_tokens: int,
-             temperature: Any, top_k: Any, top_p: Any, eos_id: int | None,
-             stop_ids: Any) -> tuple[Batch, sampling.RowSettings, StopRule, Any]:
-    """Validate everything on the host, before anything is traced -> (batch, settings, stop rule, the
-    params' mesh or None). A mesh's data axis must divide the rows: copies of the last row fill up to
-    a multiple of it (rows never affect each other, so the caller just drops the copies' results)."""
+def _prepare(params: Params, config: GPT2Config, prompts: Any, key: jax.Array, max_new_tokens: int, *,
+             temperature: Any = 1.0, top_k: Any = 0, top_p: Any = 1.0, min_p: Any = 0.0,
+             eos_id: int | None | str = "config", stop_ids: Any = (), stop: Any = None, constraint: Any = None,
+             top_logprobs: int = 0, **processors: Any) -> _Prepared:
+    """Validate everything on the host, before anything is traced. A mesh's data axis must divide the
+    rows: copies of the last row fill up to a multiple of it (rows never affect each other, so the
+    caller just drops the copies' results)."""
     mesh = mesh_of(params)
-    row_multiple = data_size(mesh)
     batch = make_batch(prompts, config, max_new_tokens)
     B = batch.tokens.shape[0]
-    settings = sampling.row_settings(temperature, top_k, top_p, B)
-    eos, stops = check_stop_args(config.eos_id if eos_id == "config" else eos_id, stop_ids, config, MAX_STOP_IDS)
-    rows = -(-B // row_multiple) * row_multiple
-    tokens, lengths, keys, settings = _pad_rows((batch.tokens, batch.lengths, sampling.row_keys(key, B), settings),
-                                                rows)  # fmt: skip
-    return batch._replace(tokens=tokens, lengths=lengths, keys=keys), settings, StopRule(eos, stops), mesh
+    settings = sampling.row_settings(temperature, top_k, top_p, B, min_p)
+    eos, ids = check_stop_args(config.eos_id if eos_id == "config" else eos_id, stop_ids, config, MAX_STOP_IDS)
+    procs = processor_settings(B, config.vocab_size, None if eos < 0 else int(eos), **processors)
+    tables = _constraint_rows(constraint, B, config, int(eos))
+    rows = -(-B // data_size(mesh)) * data_size(mesh)
+    tokens, lengths, keys, settings, procs, group, start = jax.tree.map(
+        lambda x: pad_rows(x, rows),
+        (batch.tokens, batch.lengths, sampling.row_keys(key, B), settings, procs, tables.group, tables.start))
+    rules = Rules(settings, procs, StopRule(eos, ids), tables._replace(group=group, start=start))
+    batch = batch._replace(tokens=tokens, lengths=lengths, keys=keys)
+    return _Prepared(batch, rules, mesh, check_stop_strings(stop), check_top_logprobs(top_logprobs))
 
 
 def generate(params: Params, config: GPT2Config, prompts: Any, key: jax.Array, *, max_new_tokens: int,
-             temperature: Any = 1.0, top_k: Any = 0, top_p: Any = 1.0, eos_id: int | None | str = "config",
-             stop_ids: Any = (), return_logprobs: bool = False) -> GenerateResult:
-    """Prompts (lists of token ids, ragged) -> GenerateResult(tokens [B, N], lengths [B], logprobs [B, N]).
+             temperature: Any = 1.0, top_k: Any = 0, top_p: Any = 1.0, min_p: Any = 0.0,
+             repetition_penalty: Any = 1.0, frequency_penalty: Any = 0.0, presence_penalty: Any = 0.0,
+             logit_bias: Any = None, no_repeat_ngram_size: Any = 0, bad_words_ids: Any = None,
+             min_new_tokens: Any = 0, constraint: Any = None, eos_id: int | None | str = "config",
+             stop_ids: Any = (), stop: Any = None, tokenizer: Any = None, top_logprobs: int = 0,
+             return_logprobs: bool = False) -> GenerateResult:
+    """Prompts (lists of token ids, ragged) -> GenerateResult(tokens [B, N], lengths [B], logprobs, ...).
 
-    key: one PRNG key (row b uses fold_in(key, b)) or one key per row [B]. temperature, top_k,
-    top_p: scalars or per-row [B]. eos_id: "config" (the default) is the checkpoint's eos_token_id
-    (GPT-2's <|endoftext|>, 50256), or no EOS when that id is outside the vocab (a small test model);
-    an explicit id must be in the vocab; None never stops on EOS. stop_ids adds more stop tokens.
+    key: one PRNG key (row b uses fold_in(key, b)) or one key per row [B]. Each sampling setting is a
+    scalar or one value per row [B]:
+      temperature (0 = greedy), top_k (0 = off), top_p (1 = off), min_p (0 = off): the warpers;
+      repetition_penalty, frequency_penalty, presence_penalty, logit_bias ({token_id: bias}, or one dict
+      per row), no_repeat_ngram_size, bad_words_ids (token-id sequences, or one list per row),
+      min_new_tokens: the processors, applied in the order gpt2_jax.sampling.processors gives.
+    constraint: a gpt2_jax.constraints object (regex, choice, json_schema) for every row, or one (or None)
+      per row; a row then only emits tokens its automaton allows, and EOS only once its text matches.
+    eos_id: "config" (the default) is the checkpoint's eos_token_id (GPT-2's <|endoftext|>, 50256), or no
+      EOS when that id is outside the vocab (a small test model); None never stops on EOS.
+    stop_ids: more stop tokens. stop: stop strings (text, decoded with `tokenizer`, by default the gpt2
+      encoding); a row stops at the token that completes one, and finish_reason/stop_string say so.
+    top_logprobs: N <= 20: per generated token, the N most likely ids and their log-probabilities under
+      the raw logits (before any processor, warper or temperature), as `logprobs` is.
     Params sharded with gpt2_jax.sharding run on their mesh and give the same tokens."""
-    batch, settings, stop, mesh = _prepare(params, config, prompts, key, max_new_tokens, temperature, top_k, top_p,
-                                           eos_id, stop_ids)  # fmt: skip
-    with on_mesh(mesh):
-        toks, logprobs, lengths = _generate(
-            params, batch.tokens, batch.lengths, batch.keys, settings, stop, jnp.int32(max_new_tokens), config,
-            batch.capacity, batch.steps,
-        )
-    B, n = batch.rows, max_new_tokens
-    return GenerateResult(
-        np.asarray(toks)[:B, :n], np.asarray(lengths)[:B], np.asarray(logprobs)[:B, :n] if return_logprobs else None
-    )
+    prep = _prepare(params, config, prompts, key, max_new_tokens, temperature=temperature, top_k=top_k,
+                    top_p=top_p, min_p=min_p, eos_id=eos_id, stop_ids=stop_ids, stop=stop, constraint=constraint,
+                    top_logprobs=top_logprobs, repetition_penalty=repetition_penalty,
+                    frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, logit_bias=logit_bias,
+                    no_repeat_ngram_size=no_repeat_ngram_size, bad_words_ids=bad_words_ids,
+                    min_new_tokens=min_new_tokens)  # fmt: skip
+    batch, B, n, r = prep.batch, prep.batch.rows, max_new_tokens, prep.r
+    rr = 20 if r else 0  # one compiled width for every N
+    with on_mesh(prep.mesh):
+        if prep.stops:
+            out, generated, done, hits = _generate_with_stops(params, config, prep, n, tokenizer, rr)
+        else:
+            out, generated, done = generate_all(params, batch.tokens, batch.lengths, batch.keys, prep.rules,
+                                                 jnp.int32(n), config, batch.capacity, batch.steps, rr)  # fmt: skip
+            hits = [None] * B
+    toks, logprobs = np.asarray(out.token)[:B, :n], np.asarray(out.logprob)[:B, :n]
+    lengths, done = np.asarray(generated)[:B].copy(), np.asarray(done)[:B]
+    for b, hit in enumerate(hits):
+        if hit is not None:  # the tokens after the completing one were drawn in the same chunk: drop them
+            lengths[b] = hit.token + 1
+            eos = int(prep.rules.stop.eos_id)
+            toks[b, lengths[b]:] = eos if eos >= 0 else toks[b, hit.token]
+            logprobs[b, lengths[b]:] = 0.0
+    reason = ["stop" if d or h is not None else "length" for d, h in zip(done, hits)]
+    top_ids = top_lp = None
+    if r:
+        after = np.arange(n)[None, :, None] >= lengths[:, None, None]
+        top_ids = np.where(after, -1, np.asarray(out.top_ids)[:B, :n, :r])
+        top_lp = np.where(after, 0.0, np.asarray(out.top_logprobs)[:B, :n, :r])
+    return GenerateResult(toks, lengths, logprobs if return_logprobs else None, reason,
+                          [None if h is None else h.stop for h in hits], top_ids, top_lp)  # fmt: skip
+
+
+def _token_bytes(tokenizer: Any):
+    if tokenizer is None:
+        from gpt2_jax.tokenizer import tokenizer as gpt2
+
+        tokenizer = gpt2()
+    return tokenizer.decode_single_token_bytes
+
+
+def _generate_with_stops(params: Params, config: GPT2Config, prep: _Prepared, n: int, tokenizer: Any,
+                         r: int) -> tuple[Any, Any, Any, list[StopHit | None]]:
+    """Decode DECODE_CHUNK steps per call; between calls, feed each row's new tokens to the stop matcher
+    and halt the rows whose stop string completed."""
+    batch, rules = prep.batch, prep.rules
+    B = batch.rows
+    matcher = StopMatcher(prep.stops, B, _token_bytes(tokenizer))
+    state = prefill(params, batch.tokens, batch.lengths, batch.keys, config, batch.capacity, rules.constraint.start)
+    chunks, t = [], 0
+    before = np.zeros(B, np.int64)
+    while t < n:
+        state, out, made = decode_chunk(params, state, rules, jnp.int32(min(DECODE_CHUNK, n - t)), config,
+                                        DECODE_CHUNK, r)  # fmt: skip
+        made = int(made)
+        chunks.append(jax.tree.map(lambda x: np.asarray(x)[:, :made], out))
+        generated = np.asarray(state.generated)[:B]
+        toks = chunks[-1].token
+        for b in range(B):
+            if generated[b] > before[b]:
+                matcher.feed(b, toks[b, : generated[b] - before[b]].tolist())
+        before = generated
+        hit = np.array([h is not None for h in matcher.hits] + [False] * (batch.tokens.shape[0] - B))
+        if hit.any():
+            state = halt(state, hit, rules.stop.eos_id)
+        t += made
+        if made == 0 or np.asarray(state.done).all():
+            break
+    out = jax.tree.map(lambda *xs: np.concatenate(xs, axis=1), *chunks)
+    pad = n - out.token.shape[1]
+    fill = np.asarray(state.fill)
+    out = out._replace(token=np.concatenate([out.token, np.repeat(fill[:, None], pad, 1)], 1),
+                       logprob=np.pad(out.logprob, ((0, 0), (0, pad))),
+                       top_ids=np.pad(out.top_ids, ((0, 0), (0, pad), (0, 0))),
+                       top_logprobs=np.pad(out.top_logprobs, ((0, 0), (0, pad), (0, 0))))  # fmt: skip
+    done = np.asarray(state.done) & np.array([h is None for h in matcher.hits] + [True] * (len(fill) - B))
+    return out, state.generated, done, matcher.hits
 
 
 def generate_stream(params: Params, config: GPT2Config, prompts: Any, key: jax.Array, *, max_new_tokens: int,
-                    temperature: Any = 1.0, top_k: Any = 0, top_p: Any = 1.0, eos_id: int | None | str = "config",
-                    stop_ids: Any = ()) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Like generate, one decode_step at a time: yields (tokens [B], live [B]) per step, where
-    live marks the rows whose token is newly generated (the others have stopped and repeat EOS)."""
-    batch, settings, stop, mesh = _prepare(params, config, prompts, key, max_new_tokens, temperature, top_k, top_p,
-                                           eos_id, stop_ids)  # fmt: skip
-    B = batch.rows
-    with on_mesh(mesh):
-        state = prefill(params, batch.tokens, batch.lengths, batch.keys, config, batch.capacity)
+                    tokenizer: Any = None, **options: Any) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Like generate (the same options), one decode_step at a time: yields (tokens [B], live [B]) per step,
+    where live marks the rows whose token is newly generated (the others have stopped and repeat EOS).
+    A row whose stop string completes yields that token live and then stops."""
+    options.pop("return_logprobs", None)
+    prep = _prepare(params, config, prompts, key, max_new_tokens, **options)
+    batch, rules, B = prep.batch, prep.rules, prep.batch.rows
+    matcher = StopMatcher(prep.stops, B, _token_bytes(tokenizer))
+    with on_mesh(prep.mesh):
+        state = prefill(params, batch.tokens, batch.lengths, batch.keys, config, batch.capacity, rules.constraint.start)
     live = np.ones(B, bool)
     for _ in range(max_new_tokens):
-        with on_mesh(mesh):
-            state, token, _ = decode_step(params, state, settings, stop, config)
-        yield np.asarray(token)[:B], live
+        with on_mesh(prep.mesh):
+            state, step = decode_step(params, state, rules, config)
+        token = np.asarray(step.token)[:B]
+        yield token, live
+        if prep.stops:
+            hit = np.array([live[b] and matcher.feed(b, [token[b]]) is not None for b in range(B)])
+            if hit.any():
+                with on_mesh(prep.mesh):
+                    state = halt(state, np.pad(hit, (0, len(batch.tokens) - B)), rules.stop.eos_id)
         live = ~np.asarray(state.done)[:B]
         if not live.any():
             return

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 MIN_REDUCE = 16384  # elements
 
@@ -20,6 +21,7 @@ def min_rows(rows: int, row_size: int) -> int:
 
 
 def pad_rows(x: jax.Array, rows: int) -> jax.Array:
-    """x [B, ...] with copies of row 0 appended up to `rows` rows."""
+    """x [B, ...] with copies of row 0 appended up to `rows` rows (a host array stays on the host)."""
     extra = rows - x.shape[0]
-    return x if extra <= 0 else jnp.concatenate([x, jnp.broadcast_to(x[:1], (extra, *x.shape[1:]))])
+    xp = np if isinstance(x, np.ndarray) else jnp
+    return x if extra <= 0 else xp.concatenate([x, xp.broadcast_to(x[:1], (extra, *x.shape[1:]))])

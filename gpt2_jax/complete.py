@@ -1,0 +1,71 @@
+"""Text in, text out: `complete` encodes prompts, runs `generate`, and cuts each completion as OpenAI does.
+
+The text ends just before a stop string that completed (which may end inside a token), and never
+includes the token that stopped the row (EOS or a stop id). Logprobs stay per token.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+
+from gpt2_jax.config import GPT2Config
+from gpt2_jax.errors import InputError
+from gpt2_jax.generate import GenerateResult, generate
+from gpt2_jax.params import Params
+
+
+class Completion(NamedTuple):
+    text: str  # the generated text, cut before a stop string, without a stopping EOS / stop id
+    tokens: list  # the generated token ids, the stopping token included
+    finish_reason: str  # "stop" or "length"
+    stop: str | None  # the stop string that matched, if any
+    logprobs: list | None  # log p(token) per token of `tokens`, under the raw logits
+    top_logprobs: list | None  # per token: {token id: logprob} of the most likely ids (raw logits)
+
+
+def _encoding(tokenizer: Any):
+    if tokenizer is None:
+        from gpt2_jax.tokenizer import tokenizer as gpt2
+
+        return gpt2()
+    return tokenizer
+
+
+def completions(result: GenerateResult, enc: Any, stop_ids: set[int]) -> list[Completion]:
+    """A GenerateResult -> one Completion per row (text decoded with enc, a tiktoken Encoding)."""
+    out = []
+    for b in range(len(result.lengths)):
+        n = int(result.lengths[b])
+        tokens = result.tokens[b, :n].tolist()
+        stop = result.stop_string[b] if result.stop_string else None
+        shown = tokens
+        if result.finish_reason and result.finish_reason[b] == "stop" and stop is None and tokens and tokens[-1] in stop_ids:
+            shown = tokens[:-1]  # EOS or a stop id: not part of the text
+        data = b"".join(enc.decode_single_token_bytes(t) for t in shown)
+        if stop is not None:
+            data = data[: data.find(stop.encode("utf-8"))]  # the first occurrence is the one that stopped the row
+        logprobs = result.logprobs[b, :n].tolist() if result.logprobs is not None else None
+        top = None
+        if result.top_ids is not None:
+            top = [dict(zip(ids.tolist(), lp.tolist())) for ids, lp in zip(result.top_ids[b, :n], result.top_logprobs[b, :n])]
+        reason = result.finish_reason[b] if result.finish_reason else "length"
+        out.append(Completion(data.decode("utf-8", errors="replace"), tokens, reason, stop, logprobs, top))
+    return out
+
+
+def complete(params: Params, config: GPT2Config, prompts: str | list[str], key: jax.Array, *, max_new_tokens: int,
+             tokenizer: Any = None, **options: Any) -> list[Completion]:
+    """Prompt texts (one string or a list) -> one Completion per prompt. `options` are generate's (temperature,
+    top_p, repetition_penalty, stop=["\\n\\n"], constraint=..., top_logprobs=N, ...); logprobs are returned."""
+    enc = _encoding(tokenizer)
+    texts = [prompts] if isinstance(prompts, str) else list(prompts)
+    if not all(isinstance(t, str) for t in texts):
+        raise InputError("complete takes prompt text (a str or a list of str); use generate for token ids")
+    ids = [enc.encode(t, allowed_special={"<|endoftext|>"}) or [enc.eot_token] for t in texts]
+    options.setdefault("return_logprobs", True)
+    result = generate(params, config, ids, key, max_new_tokens=max_new_tokens, tokenizer=enc, **options)
+    eos = options.get("eos_id", "config")
+    eos = config.eos_id if eos == "config" else eos
+    return completions(result, enc, set(options.get("stop_ids", ())) | ({eos} if eos is not None else set()))
