@@ -1,6 +1,7 @@
 """gpt2_jax: GPT-2 as small pure JAX functions, loading real PyTorch checkpoints."""
 
-from gpt2_jax import distributed, precision, sampling, sharding
+from gpt2_jax import constraints, distributed, precision, sampling, sharding
+from gpt2_jax.complete import Completion, complete
 from gpt2_jax.config import PRESETS, GPT2Config
 from gpt2_jax.errors import CheckpointError, ConfigError, GPT2JaxError, InputError
 from gpt2_jax.generate import GenerateResult, generate, generate_stream
@@ -14,5 +15,5 @@ __all__ = [
     "PRESETS", "GPT2Config", "CheckpointError", "ConfigError", "GPT2JaxError", "InputError",
     "load", "forward", "cast_params", "init_params", "stack_layers", "unstack_layers", "tokenizer",
     "loss_fn", "make_train_step", "make_optimizer", "init_state", "eval_loss", "Hyper",
-    "generate", "generate_stream", "GenerateResult", "sampling", "sharding", "precision", "distributed",
+    "generate", "generate_stream", "GenerateResult", "complete", "Completion", "constraints", "sampling", "sharding", "precision", "distributed",
 ]  # fmt: skip
