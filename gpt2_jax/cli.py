@@ -36,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=0, help="0 = off")
     gen.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
+    _processor_args(gen)
     gen.add_argument("--seed", type=int, default=None,
                      help="sampling seed (default: a random one, printed in the summary line)")
     gen.add_argument("--num-samples", type=int, default=1, help="samples of the same prompt, one batch")
@@ -52,6 +53,47 @@ def build_parser() -> argparse.ArgumentParser:
     _cache_arg(train)
     cli_train.data_parser(sub.add_parser("data", help="prepare training data"))
     return parser
+
+
+def _processor_args(gen: argparse.ArgumentParser) -> None:
+    """Logits processors, stop strings, constraints and top logprobs (see gpt2_jax.generate)."""
+    gen.add_argument("--min-p", type=float, default=0.0, help="0 = off; drop tokens below min_p x the top probability")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0, help="transformers' (prompt + output); 1 = off")
+    gen.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]; 0 = off")
+    gen.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]; 0 = off")
+    gen.add_argument("--no-repeat-ngram-size", type=int, default=0, help="never repeat an n-gram; 0 = off")
+    gen.add_argument("--min-new-tokens", type=int, default=0, help="hold back EOS until this many tokens")
+    gen.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                     help="stop string (repeatable); the text is cut just before it")
+    c = gen.add_mutually_exclusive_group()
+    c.add_argument("--regex", help="constrain the output to match this regex")
+    c.add_argument("--choice", action="append", default=None, metavar="TEXT", help="the output is one of these (repeatable)")
+    c.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid under this JSON schema file")
+    gen.add_argument("--top-logprobs", type=int, default=0, metavar="N",
+                     help="after the text, list each token's N most likely alternatives (N <= 20)")
+
+
+def _constraint(args: argparse.Namespace):
+    """--regex / --choice / --json-schema -> a gpt2_jax.constraints object, or None."""
+    from gpt2_jax import constraints
+
+    if args.regex is not None:
+        return constraints.regex(args.regex)
+    if args.choice:
+        return constraints.choice(args.choice)
+    if args.json_schema:
+        path = Path(args.json_schema)
+        if not path.is_file():
+            raise GPT2JaxError(f"--json-schema {path}: no such file")
+        return constraints.json_schema(path.read_text())
+    return None
+
+
+def _show_top_logprobs(enc, completion, out) -> None:
+    print("--- top logprobs (raw distribution) ---", file=out)
+    for tok, lp, top in zip(completion.tokens, completion.logprobs, completion.top_logprobs):
+        alts = ", ".join(f"{enc.decode([t])!r} {v:.3f}" for t, v in top.items())
+        print(f"{enc.decode([tok])!r:>16} {lp:8.3f} | {alts}", file=out)
 
 
 def _cache_arg(p: argparse.ArgumentParser) -> None:
@@ -82,18 +124,37 @@ def _use_compile_cache(args: argparse.Namespace) -> None:
 
 
 class TextStream:
-    """Prints the decoded text of a growing token list, holding back an incomplete UTF-8 character."""
+    """Prints the decoded text of a growing token list, holding back an incomplete UTF-8 character and
+    any tail that could still become a stop string; the text ends just before a stop string."""
 
-    def __init__(self, enc, out=None):
-        self.enc, self.out, self.tokens, self.shown = enc, out or sys.stdout, [], 0
+    def __init__(self, enc, out=None, stops=()):
+        self.enc, self.out, self.tokens, self.shown, self.stops = enc, out or sys.stdout, [], 0, list(stops)
+        self.hold = max(map(len, self.stops), default=1) - 1
+        self.stopped = False
 
     def add(self, token: int) -> None:
         self.tokens.append(token)
+        self._show(final=False)
+
+    def _show(self, final: bool) -> None:
         text = self.enc.decode(self.tokens)
-        if not text.endswith("\ufffd"):
-            self.out.write(text[self.shown:])
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            end, self.stopped = min(hits), True
+        elif final:
+            end = len(text)
+        elif text.endswith("\ufffd"):
+            return
+        else:
+            end = len(text) - self.hold
+        if end > self.shown and not (self.stopped and self.shown >= end):
+            self.out.write(text[self.shown:end])
             self.out.flush()
-            self.shown = len(text)
+            self.shown = end
+
+    def close(self) -> None:
+        if not self.stopped:
+            self._show(final=True)
 
 
 def _summary(n_tokens: int, seconds: float, compile_s: float, cache_bytes: int, args: argparse.Namespace) -> None:
@@ -123,7 +184,7 @@ def _load_model(args: argparse.Namespace, mesh):
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from gpt2_jax import generate, generate_stream
+    from gpt2_jax import complete, generate_stream
     from gpt2_jax.cache import cache_bytes
     from gpt2_jax.compiling import CompileTimer
     from gpt2_jax.distributed import is_main
@@ -150,7 +211,12 @@ def _generate(args: argparse.Namespace) -> int:
     ids = enc.encode(prompt, allowed_special={"<|endoftext|>"}) or [EOT]  # an empty prompt starts from <|endoftext|>
     params, config = _load_model(args, mesh)
     prompts = [ids] * args.num_samples
-    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    if args.stream and args.top_logprobs:
+        raise GPT2JaxError("--top-logprobs prints a table after the text; use it without --stream")
+    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+              min_p=args.min_p, repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
+              presence_penalty=args.presence_penalty, no_repeat_ngram_size=args.no_repeat_ngram_size,
+              min_new_tokens=args.min_new_tokens, stop=args.stop, constraint=_constraint(args))  # fmt: skip
     cache = cache_bytes(config, args.num_samples, cache_capacity(len(ids), args.max_new_tokens, config),
                         params["wte"].dtype)  # fmt: skip
     out = out if is_main() else io.StringIO()  # every process computes; process 0 prints
@@ -158,22 +224,26 @@ def _generate(args: argparse.Namespace) -> int:
     with CompileTimer() as compiling:
         t0 = time.perf_counter()
         if args.stream:
-            text, n = TextStream(enc, out), 0
+            text, n = TextStream(enc, out, args.stop or ()), 0
             out.write(prompt)
-            for tokens, _ in generate_stream(params, config, prompts, key, **kw):
+            for tokens, live in generate_stream(params, config, prompts, key, **kw):
+                if not live[0]:
+                    break
                 n += 1
                 if int(tokens[0]) == config.eos_id:
                     break
                 text.add(int(tokens[0]))
+            text.close()
             out.write("\n")
         else:
-            result = generate(params, config, prompts, key, **kw)
-            for b in range(args.num_samples):
+            results = complete(params, config, [prompt] * args.num_samples, key, top_logprobs=args.top_logprobs, **kw)
+            for b, result in enumerate(results):
                 if args.num_samples > 1:
                     print(f"--- sample {b + 1} ---", file=out)
-                toks = result.tokens[b, : result.lengths[b]].tolist()
-                print(prompt + enc.decode([t for t in toks if t != config.eos_id]), file=out)
-            n = int(result.lengths.sum())
+                print(prompt + result.text, file=out)
+                if args.top_logprobs:
+                    _show_top_logprobs(enc, result, out)
+            n = sum(len(r.tokens) for r in results)
         out.flush()
         seconds = time.perf_counter() - t0
     if is_main():

@@ -176,3 +176,62 @@ def test_cli_fills_the_compilation_cache_unless_told_not_to(hf_dir, tmp_path):
     assert generate(cache=tmp_path / "jc") == first  # the second run reads them back
     generate("--no-compile-cache", cache=tmp_path / "unused")
     assert not (tmp_path / "unused").exists()
+
+
+def test_processor_flags_match_the_library(hf_dir, capsys):
+    argv = ["generate", "--model", str(hf_dir), "--prompt", "ROMEO:", "--max-new-tokens", "30", "--seed", "4",
+            "--repetition-penalty", "1.3", "--frequency-penalty", "0.5", "--presence-penalty", "0.2", "--min-p", "0.01",
+            "--no-repeat-ngram-size", "2", "--min-new-tokens", "3"]  # fmt: skip
+    code, out, _ = run(capsys, *argv)
+    params, config = gpt2_jax.load(hf_dir)
+    ref = gpt2_jax.complete(params, config, "ROMEO:", jax.random.key(4), max_new_tokens=30, repetition_penalty=1.3,
+                            frequency_penalty=0.5, presence_penalty=0.2, min_p=0.01, no_repeat_ngram_size=2,
+                            min_new_tokens=3)[0]  # fmt: skip
+    assert code == 0 and out == "ROMEO:" + ref.text + "\n"
+    _, plain, _ = run(capsys, "generate", "--model", str(hf_dir), "--prompt", "ROMEO:", "--max-new-tokens", "30",
+                      "--seed", "4")  # fmt: skip
+    assert plain != out  # the flags changed the text
+
+
+def test_stop_flag_cuts_the_text_streamed_or_not(hf_dir, capsys):
+    base = ["generate", "--model", str(hf_dir), "--prompt", "ROMEO:", "--max-new-tokens", "30", "--seed", "6"]
+    _, plain, _ = run(capsys, *base)
+    generated = plain[len("ROMEO:"):-1]
+    # two letters from the middle of the text (argparse reads a leading "-" as a flag)
+    stop = next(generated[i:i + 2] for i in range(8, len(generated)) if generated[i:i + 2].isalnum())
+    expected = "ROMEO:" + generated[: generated.index(stop)] + "\n"
+    for extra in ([], ["--stream"]):
+        code, out, _ = run(capsys, *base, "--stop", stop, "--stop", "\u2603never", *extra)
+        assert code == 0 and out == expected, extra
+
+
+def test_constraint_and_top_logprobs_flags(hf_dir, capsys, tmp_path):
+    base = ["generate", "--model", str(hf_dir), "--prompt", "Answer:", "--max-new-tokens", "24", "--seed", "1"]
+    code, out, _ = run(capsys, *base, "--num-samples", "4", "--choice", " yes", "--choice", " no")
+    samples = re.split(r"--- sample \d ---\n", out)[1:]
+    assert code == 0 and sorted(set(samples)) <= ["Answer: no\n", "Answer: yes\n"] and len(samples) == 4
+    schema = tmp_path / "s.json"
+    schema.write_text('{"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}')
+    code, out, _ = run(capsys, *base, "--json-schema", str(schema))
+    import json
+
+    assert code == 0 and isinstance(json.loads(out[len("Answer:"):])["ok"], bool)
+    code, out, _ = run(capsys, *base, "--regex", "[0-9]{3}", "--top-logprobs", "3")
+    text, table = out.split("--- top logprobs (raw distribution) ---\n")
+    assert code == 0 and re.fullmatch(r"Answer:[0-9]{3}\n", text)
+    rows = table.strip().splitlines()  # one per token: the digits, then EOS
+    assert len(rows) >= 2 and rows[-1].strip().startswith("'<|endoftext|>'")
+    assert all(len(re.findall(r" -?\d+\.\d{3}", r.split(" | ")[1])) == 3 for r in rows)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--top-logprobs", "21"], "top_logprobs must be an int in [0, 20]"),
+    (["--repetition-penalty", "0"], "repetition_penalty must be a finite number > 0"),
+    (["--regex", "("], "invalid regex '(': outlines-core says"),
+    (["--json-schema", "/nonexistent/s.json"], "--json-schema /nonexistent/s.json: no such file"),
+    (["--stream", "--top-logprobs", "2"], "use it without --stream"),
+])  # fmt: skip
+def test_bad_processor_flags_are_one_line(hf_dir, capsys, argv, message):
+    code, out, err = run(capsys, "generate", "--model", str(hf_dir), "--prompt", "hi", "--max-new-tokens", "10", *argv)
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and message in err
