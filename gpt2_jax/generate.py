@@ -201,7 +201,8 @@ def generate_stream(params: Params, config: GPT2Config, prompts: Any, key: jax.A
     A row whose stop string completes yields that token live and then stops."""
     options.pop("return_logprobs", None)
     prep = _prepare(params, config, prompts, key, max_new_tokens, **options)
-    batch, rules, B = prep.batch, prep.rules, prep.batch.rows
+    batch, B = prep.batch, prep.batch.rows
+    rules = prep.rules if prep.mesh else jax.device_put(prep.rules)  # sent once, not at every step
     matcher = StopMatcher(prep.stops, B, _token_bytes(tokenizer))
     with on_mesh(prep.mesh):
         state = prefill(params, batch.tokens, batch.lengths, batch.keys, config, batch.capacity, rules.constraint.start)

@@ -230,3 +230,12 @@ def test_bad_processor_settings_are_named(model_and_params, kw, message):
         generate(params, config, PROMPTS, jax.random.key(0), max_new_tokens=4, **kw)
     assert message in str(e.value)
     assert _generate._cache_size() == before
+
+
+def test_bans_that_leave_no_token_are_lifted_for_that_step(model_and_params, plain):
+    _, params, config = model_and_params
+    everything = [[t] for t in range(config.vocab_size)]
+    ours = ours_greedy(params, config, bad_words_ids=everything)
+    assert ours == [plain[b].tolist() for b in range(len(PROMPTS))]
+    some = ours_greedy(params, config, bad_words_ids=everything[:50])  # bans that leave tokens do apply
+    assert all(t >= 50 for row in some for t in row)

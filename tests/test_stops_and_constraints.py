@@ -153,6 +153,14 @@ def test_a_constraint_that_cannot_finish_in_time_ends_with_length(bundled):
         assert re.fullmatch("[a-z]+", enc.decode(out.tokens[b].tolist()))
 
 
+def test_a_constraint_wins_over_min_new_tokens(bundled):
+    params, config, enc, prompt, _ = bundled
+    out = generate(params, config, [prompt] * 4, jax.random.key(5), max_new_tokens=12, min_new_tokens=8,
+                   constraint=constraints.choice(["aye", "nay"]))  # fmt: skip
+    assert out.finish_reason == ["stop"] * 4
+    assert all(enc.decode(out.tokens[b, : out.lengths[b] - 1].tolist()) in ("aye", "nay") for b in range(4))
+
+
 def test_constrained_and_free_rows_in_one_batch_equal_each_row_alone(bundled):
     params, config, enc, prompt, _ = bundled
     rows = [constraints.regex(r"[A-Z][a-z]+, [a-z]+\."), None, constraints.choice(["aye", "nay"]),

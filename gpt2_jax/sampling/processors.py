@@ -12,6 +12,8 @@ They run on the raw next-token logits [B, V], per row, before the sampler's warp
   6. min_new_tokens      -inf for EOS and the stop ids until that many tokens are generated (HF)
   7. constraint          -inf for a token the row's automaton does not allow (gpt2_jax.constraints)
 then the warpers of gpt2_jax.sampling.filters: temperature -> top-k -> top-p -> min-p (transformers' order).
+When 4-6 would leave a row no token at all, they are lifted for that step (transformers would sample
+from NaNs); a constraint's mask (7) never is, so its guarantee holds.
 
 Against transformers: 2, 4, 5, 6 and min-p are its processors with its semantics and relative order.
 Against vLLM: the same order of bias then repetition, frequency and presence penalties; vLLM applies
@@ -144,9 +146,13 @@ def apply_processors(logits: jax.Array, p: ProcessorSettings, state: ProcessorSt
                            lambda: bad_word_tokens(state.history, length, p.bad_words, p.bad_word_lengths, v),
                            lambda: none)  # fmt: skip
     banned |= early_stop_tokens(generated, p.min_new_tokens, stop_ids, v)
-    if allowed is not None:
-        banned |= ~allowed
-    return ban(x, banned)
+    if allowed is None:
+        allowed = jnp.ones(x.shape, bool)
+    out = ban(x, banned | ~allowed)
+    # Bans that leave a row no token at all (min_new_tokens while a constraint allows only EOS, every
+    # token a banned word) are lifted for that step; a constraint's mask never is.
+    stuck = jnp.max(out, axis=-1, keepdims=True) == -jnp.inf
+    return jnp.where(stuck, ban(x, ~allowed), out)
 
 
 def init_state(prompts: jax.Array, lengths: jax.Array, capacity: int, v: int) -> ProcessorState:
