@@ -59,7 +59,7 @@ def test_random_arrivals_share_slots_and_each_request_equals_generate_alone(mode
     engine = Engine(params, config, max_batch=3, max_queue=8, max_seq=96)
     pending = []
     for i, (text, options) in enumerate(zip(texts, settings)):
-        req, rec = request(enc.encode(text), int(rng.integers(4, 17))  # one step bucket: generate alone compiles little, 40 + i, options)
+        req, rec = request(enc.encode(text), int(rng.integers(4, 17)), 40 + i, options)  # <= 16: one step bucket
         req.seed = 40 + i
         pending.append((int(rng.integers(0, 30)), req, rec))  # arrives before that step
     pending.sort(key=lambda x: x[0])
