@@ -1,0 +1,480 @@
+"""gpt2-jax serve over real HTTP, with the real openai client: every completion must be the bits of
+`generate` (choice i of a request with seed s uses generate's row key fold_in(key(s), i)), streamed or
+not, alone or among concurrent requests; errors are OpenAI-shaped with the right status; a dropped
+stream frees its slot; SIGTERM exits 0 and frees the port.
+
+One server process (bundled model, 4 slots, max_seq 128) serves the whole module; it compiles while
+this process compiles its one generate program. Comparisons with generate keep prompts <= 16 tokens,
+max_tokens <= 16 and always ask for top logprobs, so this process compiles a single program.
+"""
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import jax
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from gpt2_jax import generate, load, tokenizer  # noqa: E402
+from gpt2_jax.cli import BUNDLED_MODEL  # noqa: E402
+from gpt2_jax.complete import completions  # noqa: E402
+from gpt2_jax.generate import GenerateResult  # noqa: E402
+from gpt2_jax.stops import StopMatcher  # noqa: E402
+
+MODEL = "shakespeare"
+SERVE_ARGS = ["--max-batch", "4", "--max-queue", "8", "--max-seq", "128"]
+TOP = 5  # top logprobs generate computes in every comparison (one compiled program)
+NO_EOS = {"50256": -100}  # keeps a long request running until it is cancelled
+
+
+class Server:
+    """`python -m gpt2_jax serve --port 0` as a subprocess; its stderr lines are kept."""
+
+    def __init__(self, cache_dir):
+        self.cache_dir, self.proc, self.port, self.lines = cache_dir, None, None, []
+
+    def start(self):
+        env = {**os.environ, "GPT2_JAX_COMPILATION_CACHE": str(self.cache_dir)}
+        self.port, self.lines, self.ready = None, [], threading.Event()
+        self.proc = subprocess.Popen([sys.executable, "-m", "gpt2_jax", "serve", "--port", "0", *SERVE_ARGS],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+        threading.Thread(target=self._read, args=(self.proc,), daemon=True).start()
+
+    def _read(self, proc):
+        for line in proc.stderr:
+            self.lines.append(line)
+            m = re.search(r"gpt2-jax serve: ready on http://127\.0\.0\.1:(\d+)", line)
+            if m:
+                self.port = int(m.group(1))
+                self.ready.set()
+        self.ready.set()
+
+    def wait(self, timeout=900):
+        assert self.ready.wait(timeout), "the server was not ready in time:\n" + "".join(self.lines[-20:])
+        assert self.port is not None, "the server exited:\n" + "".join(self.lines[-40:])
+
+    @property
+    def url(self):
+        return f"http://127.0.0.1:{self.port}"
+
+    def client(self):
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="x", max_retries=0, timeout=120)
+
+    def get(self, path):
+        with urllib.request.urlopen(self.url + path, timeout=30) as r:
+            return r.status, r.headers, r.read().decode()
+
+    def post(self, path, data: bytes):
+        req = urllib.request.Request(self.url + path, data=data, headers={"content-type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def metrics(self):
+        out = {}
+        for line in self.get("/metrics")[2].splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+    def log(self):
+        return "".join(self.lines)
+
+    def stop(self):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def _server(tmp_path_factory):
+    server = Server(tmp_path_factory.mktemp("jax-cache"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def model(_server):
+    """The same model in this process, and generate's program compiled (while the server compiles its own)."""
+    params, config = load(BUNDLED_MODEL)
+    m = params, config, tokenizer()
+    expected(m, m[2].encode("ROMEO:"), 0, 0, 4)
+    return m
+
+
+@pytest.fixture
+def server(_server, model):
+    if _server.proc.poll() is not None:  # a test stopped it
+        _server.start()
+    _server.wait()
+    return _server
+
+
+def expected(model, ids, seed, index, max_tokens, stop=None, **options):
+    """Choice `index` of a request with `seed`: row `index` of generate, via its row key
+    fold_in(key(seed), index) (generate gives row b exactly that key). Stop strings cut generate's
+    tokens where its stop matcher fires; that is all a stop string changes (rows stop, nothing else)."""
+    params, config, enc = model
+    key = jax.random.fold_in(jax.random.key(seed), index)[None]
+    g = generate(params, config, [ids], key, max_new_tokens=max_tokens, return_logprobs=True, top_logprobs=TOP,
+                 **options)  # fmt: skip
+    n = int(g.lengths[0])
+    finish, hit = g.finish_reason[0], None
+    if stop:
+        matcher = StopMatcher([stop] if isinstance(stop, str) else list(stop), 1, enc.decode_single_token_bytes)
+        for k in range(n):
+            hit = matcher.feed(0, [int(g.tokens[0, k])])
+            if hit is not None:
+                n, finish = k + 1, "stop"
+                break
+    result = GenerateResult(g.tokens[:, :n], np.array([n]), g.logprobs[:, :n], [finish], [hit and hit.stop],
+                            g.top_ids[:, :n], g.top_logprobs[:, :n])  # fmt: skip
+    return completions(result, enc, {config.eos_id})[0]
+
+
+def bits(values):
+    return np.asarray(values, np.float32).view(np.uint32).tolist()
+
+
+def assert_matches(choice, exp, enc, top=None):
+    """An OpenAI choice (plain or joined from a stream) against generate's Completion, logprobs bitwise."""
+    assert choice["text"] == exp.text
+    assert choice["finish_reason"] == exp.finish_reason
+    lp = choice["logprobs"]
+    assert lp["tokens"] == [enc.decode([t]) for t in exp.tokens]
+    assert bits(lp["token_logprobs"]) == bits(exp.logprobs)
+    if top is not None:
+        want = [{enc.decode([i]): v for i, v in list(d.items())[:top]} for d in exp.top_logprobs]
+        assert [list(d) for d in lp["top_logprobs"]] == [list(d) for d in want]
+        assert [bits(list(d.values())) for d in lp["top_logprobs"]] == [bits(list(d.values())) for d in want]
+
+
+def plain(resp):
+    """A Completion -> {index: choice dict}."""
+    return {c.index: c.model_dump() for c in resp.choices}
+
+
+def joined(stream):
+    """A completion stream -> {index: choice dict} with the deltas joined, as a plain response has them."""
+    out = {}
+    for chunk in stream:
+        for c in chunk.choices:
+            d = out.setdefault(c.index, {"text": "", "finish_reason": None, "logprobs": None})
+            d["text"] += c.text
+            if c.finish_reason is not None:
+                assert d["finish_reason"] is None, "one finish_reason per choice"
+                d["finish_reason"] = c.finish_reason
+            if c.logprobs is not None:
+                lp = d["logprobs"] or {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+                for k in lp:
+                    lp[k] += getattr(c.logprobs, k)
+                d["logprobs"] = lp
+    return out
+
+
+# ---- the endpoints ------------------------------------------------------------------------------------
+def test_health_models_and_metrics(server):
+    status, _, body = server.get("/health")
+    assert status == 200 and json.loads(body)["status"] == "ok"
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    server.client().completions.create(model=MODEL, prompt="ROMEO:", max_tokens=5, seed=1)
+    status, headers, text = server.get("/metrics")
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    for name in ("queue_length", "active_slots", "tokens_per_second", "time_to_first_token_seconds",
+                 "request_latency_seconds", "generated_tokens"):  # fmt: skip
+        assert f"# TYPE gpt2_jax_{name} " in text
+    m = server.metrics()
+    assert m["gpt2_jax_generated_tokens_total"] >= 5  # the warm-up's tokens count too
+    assert m["gpt2_jax_tokens_per_second"] > 0
+    assert m["gpt2_jax_queue_length"] == 0 and m["gpt2_jax_max_batch"] == 4
+    assert m['gpt2_jax_time_to_first_token_seconds_bucket{le="+Inf"}'] >= 1
+    assert m["gpt2_jax_request_latency_seconds_count"] >= 1
+    assert m['gpt2_jax_requests_total{status="200"}'] >= 1
+    assert re.search(r"cmpl-\w+ 200 prompt_tokens=3 completion_tokens=5 finish=length latency=", server.log())
+
+
+# ---- determinism: the bits of generate ---------------------------------------------------------------------
+def test_completion_equals_generate_bitwise(server, model):
+    enc = model[2]
+    raw = server.client().completions.with_raw_response.create(
+        model=MODEL, prompt="JULIET: O Romeo, Romeo", max_tokens=16, seed=7, temperature=0.9, logprobs=3,
+        extra_body={"top_k": 40})  # fmt: skip
+    resp = raw.parse()
+    assert raw.headers["x-seed"] == "7" and resp.model_extra["seed"] == 7
+    assert resp.object == "text_completion" and resp.model == MODEL and resp.id.startswith("cmpl-")
+    exp = expected(model, enc.encode("JULIET: O Romeo, Romeo"), 7, 0, 16, temperature=0.9, top_k=40)
+    assert_matches(plain(resp)[0], exp, enc, top=3)
+    n_prompt = len(enc.encode("JULIET: O Romeo, Romeo"))
+    assert resp.usage.prompt_tokens == n_prompt and resp.usage.completion_tokens == len(exp.tokens)
+    assert resp.usage.total_tokens == n_prompt + len(exp.tokens)
+    offsets = plain(resp)[0]["logprobs"]["text_offset"]
+    assert offsets[0] == 0 and offsets == sorted(offsets)
+
+
+def test_stream_equals_plain(server, model):
+    enc = model[2]
+    kw = dict(model=MODEL, prompt="ROMEO:", max_tokens=16, seed=11, logprobs=2, extra_body={"min_p": 0.02})
+    client = server.client()
+    whole = plain(client.completions.create(**kw))
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert chunks[-1].usage.completion_tokens == len(whole[0]["logprobs"]["tokens"]) and not chunks[-1].choices
+    streamed = joined(iter(chunks))
+    assert streamed[0]["text"] == whole[0]["text"] and streamed[0]["finish_reason"] == whole[0]["finish_reason"]
+    for k in ("tokens", "top_logprobs", "text_offset"):
+        assert streamed[0]["logprobs"][k] == whole[0]["logprobs"][k]
+    assert bits(streamed[0]["logprobs"]["token_logprobs"]) == bits(whole[0]["logprobs"]["token_logprobs"])
+    assert_matches(whole[0], expected(model, enc.encode("ROMEO:"), 11, 0, 16, min_p=0.02), enc, top=2)
+
+
+def test_n_choices_and_several_prompts_are_the_rows_of_generate(server, model):
+    enc = model[2]
+    client = server.client()
+    resp = client.completions.create(model=MODEL, prompt="HAMLET:", n=3, max_tokens=12, seed=5, logprobs=0)
+    got = plain(resp)
+    assert sorted(got) == [0, 1, 2] and len({c["text"] for c in got.values()}) > 1
+    for i in range(3):
+        assert_matches(got[i], expected(model, enc.encode("HAMLET:"), 5, i, 12), enc)
+    prompts = [enc.encode("To be"), [464, 257, 1110, 286]]  # token ids: choice i = prompt p * n + j
+    got = joined(client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=8, seed=9, logprobs=1,
+                                           temperature=0.7, stream=True))  # fmt: skip
+    assert sorted(got) == [0, 1, 2, 3]
+    for i in range(4):
+        assert_matches(got[i], expected(model, prompts[i // 2], 9, i, 8, temperature=0.7), enc, top=1)
+
+
+def test_stop_strings_cut_the_text(server, model):
+    enc = model[2]
+    client = server.client()
+    ids = enc.encode("ROMEO:")
+    full = expected(model, ids, 3, 0, 16)
+    assert len(full.text) > 8
+    stop = full.text[3:6]  # from the middle, across tokens or inside one
+    for stops in ([stop, "zzzz"], stop):
+        exp = expected(model, ids, 3, 0, 16, stop=stops)
+        assert exp.finish_reason == "stop" and exp.text == full.text[: full.text.find(stop)]
+        kw = dict(model=MODEL, prompt="ROMEO:", max_tokens=16, seed=3, stop=stops, logprobs=0)
+        assert_matches(plain(client.completions.create(**kw))[0], exp, enc)
+        streamed = joined(client.completions.create(stream=True, **kw))[0]
+        assert_matches(streamed, exp, enc)
+
+
+def test_seeds_replay(server, model):
+    client = server.client()
+    kw = dict(model=MODEL, prompt="O", max_tokens=16, logprobs=0)
+    a, b = (plain(client.completions.create(seed=1234, **kw))[0] for _ in range(2))
+    assert a["text"] == b["text"] and bits(a["logprobs"]["token_logprobs"]) == bits(b["logprobs"]["token_logprobs"])
+    raw = client.completions.with_raw_response.create(**kw)
+    drawn = raw.parse()
+    seed = drawn.model_extra["seed"]
+    assert isinstance(seed, int) and raw.headers["x-seed"] == str(seed)
+    again = plain(client.completions.create(seed=seed, **kw))[0]
+    assert again["text"] == plain(drawn)[0]["text"]
+    assert bits(again["logprobs"]["token_logprobs"]) == bits(plain(drawn)[0]["logprobs"]["token_logprobs"])
+    assert_matches(again, expected(model, model[2].encode("O"), seed, 0, 16), model[2])
+
+
+def test_echo_and_prompt_logprobs(server, model):
+    enc = model[2]
+    client = server.client()
+    first = plain(client.completions.create(model=MODEL, prompt="KING HENRY:", max_tokens=6, seed=2, logprobs=1))[0]
+    ids = enc.encode("KING HENRY:")
+    resp = plain(client.completions.create(model=MODEL, prompt="KING HENRY:", max_tokens=6, seed=2, logprobs=1,
+                                           echo=True))[0]  # fmt: skip
+    assert resp["text"] == "KING HENRY:" + first["text"]
+    lp = resp["logprobs"]
+    assert lp["tokens"] == [enc.decode([t]) for t in ids] + first["logprobs"]["tokens"]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert bits(lp["token_logprobs"][len(ids):]) == bits(first["logprobs"]["token_logprobs"])
+    # scoring the generated text (max_tokens 0) gives its logprobs again, from one forward pass
+    full = ids + expected(model, ids, 2, 0, 6).tokens
+    scored = plain(client.completions.create(model=MODEL, prompt=full, max_tokens=0, echo=True, logprobs=0))[0]
+    assert scored["finish_reason"] == "length" and scored["text"] == enc.decode(full)
+    np.testing.assert_allclose(scored["logprobs"]["token_logprobs"][len(ids):], first["logprobs"]["token_logprobs"],
+                               atol=1e-2)  # fmt: skip (bfloat16 weights: the K/V cache rounds)
+
+
+def test_constrained_output(server, model):
+    client = server.client()
+    got = client.completions.create(model=MODEL, prompt="Age:", max_tokens=8, seed=1,
+                                    extra_body={"regex": " [0-9]{1,3}"})  # fmt: skip
+    assert re.fullmatch(r" [0-9]{1,3}", got.choices[0].text) and got.choices[0].finish_reason == "stop"
+    got = client.completions.create(model=MODEL, prompt="Answer:", max_tokens=8, seed=2, n=2,
+                                    extra_body={"choice": [" aye", " nay"]})  # fmt: skip
+    assert all(c.text in (" aye", " nay") and c.finish_reason == "stop" for c in got.choices)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "who": {"enum": ["ROMEO", "JULIET"]}},
+              "required": ["ok", "who"]}  # fmt: skip
+    got = client.completions.create(model=MODEL, prompt="{", max_tokens=40, seed=3, extra_body={"json_schema": schema})
+    value = json.loads(got.choices[0].text)
+    assert got.choices[0].finish_reason == "stop"
+    assert isinstance(value["ok"], bool) and value["who"] in ("ROMEO", "JULIET")
+
+
+# ---- concurrency ----------------------------------------------------------------------------------------------
+SPECS = [
+    dict(prompt="ROMEO:", max_tokens=16, seed=1, temperature=0.8, extra_body={"top_k": 40}),
+    dict(prompt="JULIET: O Romeo, Romeo", max_tokens=12, seed=2, top_p=0.9, logprobs=3),
+    dict(prompt="To be", max_tokens=16, seed=3, temperature=0, stop=["\n"]),
+    dict(prompt=[464, 257, 1110], max_tokens=10, seed=4, frequency_penalty=0.5, presence_penalty=0.3,
+         extra_body={"min_p": 0.05}),
+    dict(prompt="HAMLET:\n", max_tokens=14, seed=5, logit_bias={"13": 5}, extra_body={"repetition_penalty": 1.3,
+                                                                                      "min_tokens": 5}),
+    dict(prompt="KING HENRY:", max_tokens=16, seed=6, n=2, stream=True, logprobs=2),
+    dict(prompt="Age:", max_tokens=8, seed=7, extra_body={"regex": " [0-9]{1,3}"}),
+    dict(prompt="O", max_tokens=40, seed=8, temperature=1.2, stream=True),
+]  # fmt: skip
+
+
+def run_spec(client, spec):
+    resp = client.completions.create(model=MODEL, **spec)
+    return joined(resp) if spec.get("stream") else plain(resp)
+
+
+def same(a, b):
+    assert sorted(a) == sorted(b)
+    for i in a:
+        assert (a[i]["text"], a[i]["finish_reason"]) == (b[i]["text"], b[i]["finish_reason"])
+        if a[i]["logprobs"] is not None:
+            assert a[i]["logprobs"]["tokens"] == b[i]["logprobs"]["tokens"]
+            assert bits(a[i]["logprobs"]["token_logprobs"]) == bits(b[i]["logprobs"]["token_logprobs"])
+            assert a[i]["logprobs"]["top_logprobs"] == b[i]["logprobs"]["top_logprobs"]
+
+
+def test_concurrent_requests_equal_the_same_requests_alone(server, model):
+    client = server.client()
+    rng = np.random.default_rng(0)
+    delays = rng.uniform(0, 0.6, len(SPECS) + 1)
+    results, errors = {}, {}
+
+    def send(k):
+        time.sleep(delays[k])
+        try:
+            if k == len(SPECS):  # a bad request among them fails alone
+                client.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body={"regex": "("})
+            else:
+                results[k] = run_spec(client, SPECS[k])
+        except Exception as e:  # noqa: BLE001
+            errors[k] = e
+
+    threads = [threading.Thread(target=send, args=(k,)) for k in range(len(SPECS) + 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    bad = errors.pop(len(SPECS), None)
+    assert isinstance(bad, openai.BadRequestError) and bad.status_code == 400 and "regex" in str(bad)
+    assert not errors, errors
+    for k, spec in enumerate(SPECS):
+        same(results[k], run_spec(client, spec))
+    assert "\n" not in results[2][0]["text"]
+    assert results[0][0]["text"] == expected(model, model[2].encode("ROMEO:"), 1, 0, 16, temperature=0.8, top_k=40).text
+
+
+# ---- errors -------------------------------------------------------------------------------------------------
+def test_errors_are_openai_shaped_with_their_status(server):
+    client = server.client()
+
+    def bad(param, **kw):
+        kw = {"model": MODEL, "prompt": "ROMEO:", "max_tokens": 4, **kw}
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(**kw)
+        assert e.value.status_code == 400
+        body = e.value.body
+        assert set(body) >= {"message", "type", "param", "code"} and body["type"] == "invalid_request_error"
+        assert body["param"] == param, body
+        return body["message"]
+
+    assert "temperature" in bad("temperature", temperature=-0.5)
+    assert "top_p" in bad("top_p", top_p=0.0)
+    assert "top_p" in bad("top_p", top_p=1.5)
+    assert "logprobs" in bad("logprobs", logprobs=21)
+    assert "frequency_penalty" in bad("frequency_penalty", frequency_penalty=3.0)
+    assert "unknown field 'foo'" in bad("foo", extra_body={"foo": 1})
+    assert bad("top_k", extra_body={"top_k": "40"})  # mistyped
+    assert bad("n", n=0)
+    assert "50257" in bad("prompt", prompt=[1, 50257])
+    assert "max_seq=128" in bad("max_tokens", prompt=[1] * 120, max_tokens=16)
+    assert "max_seq=128" in bad("max_tokens", prompt=[1] * 130, max_tokens=1)
+    assert "regex" in bad("regex", extra_body={"regex": "("})
+    assert bad("logit_bias", logit_bias={"the": 1})
+    assert bad("stop", stop=[""])
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
+    assert e.value.status_code == 404 and e.value.body["code"] == "model_not_found"
+    status, body = server.post("/v1/completions", b'{"model": "shakespeare", "prompt": ')
+    assert status == 400 and body["error"]["code"] == "invalid_json"
+    status, body = server.post("/v1/completions", b'["not an object"]')
+    assert status == 400 and "error" in body
+    assert plain(client.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=3, seed=1))[0]["text"]
+
+
+def test_a_full_queue_is_429_and_others_are_unaffected(server):
+    client = server.client()
+    first = client.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=120, stream=True, n=4,
+                                      logit_bias=NO_EOS)  # fmt: skip
+    next(iter(first))  # 4 slots busy
+    queued = client.completions.create(model=MODEL, prompt="JULIET:", max_tokens=4, stream=True, n=8, seed=4)
+    with pytest.raises(openai.RateLimitError) as e:  # 8 queued: the queue is full
+        client.completions.create(model=MODEL, prompt="O", max_tokens=2)
+    assert e.value.status_code == 429 and e.value.body["code"] == "queue_full"
+    first.close()
+    got = joined(queued)
+    assert sorted(got) == list(range(8)) and all(c["finish_reason"] for c in got.values())
+    alone = plain(client.completions.create(model=MODEL, prompt="JULIET:", max_tokens=4, n=8, seed=4))
+    assert [got[i]["text"] for i in range(8)] == [alone[i]["text"] for i in range(8)]
+
+
+def test_a_dropped_stream_frees_its_slot(server, model):
+    client = server.client()
+    stream = client.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=120, stream=True, n=4,
+                                       logit_bias=NO_EOS)  # fmt: skip
+    next(iter(stream))
+    stream.close()
+    deadline = time.monotonic() + 10
+    while server.metrics()["gpt2_jax_active_slots"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.metrics()["gpt2_jax_active_slots"] == 0
+    resp = plain(client.completions.create(model=MODEL, prompt="To be", max_tokens=10, seed=21, logprobs=0))
+    assert_matches(resp[0], expected(model, model[2].encode("To be"), 21, 0, 10), model[2])
+    assert "(client went away)" in server.log()
+
+
+# ---- shutdown (last: it stops the module's server) -------------------------------------------------------------
+def test_sigterm_fails_requests_in_flight_and_exits_0_with_the_port_free(server):
+    stream = server.client().completions.create(model=MODEL, prompt="ROMEO:", max_tokens=120, stream=True,
+                                                logit_bias=NO_EOS)  # fmt: skip
+    next(iter(stream))
+    t0 = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    with pytest.raises(openai.APIError, match="shutting down"):
+        for _ in stream:
+            pass
+    assert server.proc.wait(timeout=30) == 0
+    took = time.monotonic() - t0
+    assert took < 10, f"took {took:.1f} s to exit"
+    assert "gpt2-jax serve: stopped" in server.log()
+    with socket.socket() as s:  # nothing listens on the port: a new server can take it (TIME_WAITs may remain)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", server.port))
+        s.listen()
