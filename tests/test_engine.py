@@ -118,3 +118,12 @@ def test_a_full_queue_is_refused_and_bad_requests_fail_alone(model):
         pass
     assert bad.cancelled
     assert_same(params, config, good, rec)
+
+
+def test_after_stop_requests_are_refused(model):
+    params, config, enc = model
+    engine = Engine(params, config, max_batch=1, max_queue=2, max_seq=64).start()
+    engine.stop()
+    engine.stop()  # twice is fine
+    with pytest.raises(Cancelled, match="shutting down"):
+        engine.submit(request(enc.encode("A"), 4, 1, {})[0])

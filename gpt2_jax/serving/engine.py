@@ -127,7 +127,7 @@ class Engine:
         self.slots: list[_Slot | None] = [None] * max_batch
         self.queue: collections.deque[Request] = collections.deque()
         self.lock = threading.Condition()
-        self.running = False
+        self.running = self.stopped = False
         self.thread: threading.Thread | None = None
         self.generated_tokens = 0
         self._empty()
@@ -185,6 +185,8 @@ class Engine:
         when every slot is busy and max_queue requests wait."""
         self.check(request)
         with self.lock:
+            if self.stopped:
+                raise Cancelled("the server is shutting down")
             active = sum(s is not None for s in self.slots)
             if active + len(self.queue) >= self.max_batch + self.max_queue:
                 raise QueueFull(f"server busy: {active} requests running and {len(self.queue)} queued "
@@ -292,14 +294,18 @@ class Engine:
         return self
 
     def stop(self) -> None:
-        """Stop the loop; every queued and running request gets a Cancelled error."""
+        """Stop the loop; every queued and running request gets a Cancelled error. Safe to call twice."""
         with self.lock:
-            self.running = False
+            self.running, self.stopped = False, True
             self.lock.notify_all()
-        if self.thread is not None:
-            self.thread.join(timeout=30)
+            thread, self.thread = self.thread, None
+        if thread is None:
+            return
+        thread.join()  # a step is milliseconds to seconds; the loop checks `running` after each
         for b, slot in enumerate(self.slots):
             if slot is not None:
                 self._finish(b, "error", Cancelled("the server is shutting down"))
-        while self.queue:
-            _tell(self.queue.popleft(), "error", Cancelled("the server is shutting down"))
+        with self.lock:
+            queued, self.queue = list(self.queue), collections.deque()
+        for request in queued:
+            _tell(request, "error", Cancelled("the server is shutting down"))
