@@ -1,0 +1,360 @@
+"""One request's rows, their events and their text: the validated plan, the job in flight, each choice.
+
+Each prompt x choice of a request is one engine row: choice i (= prompt p * n + j) gets the row key
+fold_in(key(seed), i), the key `generate` gives row i of [p_0]*n + [p_1]*n + ..., so a served choice
+has exactly the tokens and logprobs of that generate call. A request without a seed draws one and
+returns it (field "seed", header x-seed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import math
+import re
+import secrets
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from fastapi.responses import StreamingResponse
+
+from gpt2_jax import constraints
+from gpt2_jax.errors import GPT2JaxError
+from gpt2_jax.model import forward
+from gpt2_jax.prompts import bucket
+from gpt2_jax.serving.engine import Cancelled, Engine, Request
+from gpt2_jax.serving.metrics import Metrics
+from gpt2_jax.serving.schema import ApiError, CompletionRequest
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_LOGPROBS = 20
+SEED_LIMIT = 2**32  # JAX (without x64) keys on a seed's low 32 bits: larger seeds would collide
+
+
+# ---- one choice's text ----------------------------------------------------------------------------------
+class Choice:
+    """One row of a request: its tokens and logprobs as they arrive, and its text, streamed without
+    ever taking back a character: text that might still become a stop string, an incomplete UTF-8
+    character and a trailing EOS are held back until the row ends."""
+
+    def __init__(self, index: int, prompt_index: int, enc: Any, stops: list[str], eos: int | None):
+        self.index, self.prompt_index, self.enc, self.eos = index, prompt_index, enc, eos
+        self.patterns = [s.encode("utf-8") for s in stops]
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.top: list[tuple[list, list]] = []
+        self.data = bytearray()  # the bytes of the tokens so far, a trailing EOS excluded
+        self.shown = ""  # the text streamed so far
+        self.finish: str | None = None
+        self.stop: str | None = None
+        self.request: Request | None = None
+
+    def add(self, token: int, logprob: float, top_ids: list, top_lps: list) -> None:
+        if self.tokens and self.tokens[-1] == self.eos:  # an EOS that did not end the row (no EOS rule)
+            self.data += self.enc.decode_single_token_bytes(self.eos)
+        self.tokens.append(token)
+        self.logprobs.append(logprob)
+        self.top.append((top_ids, top_lps))
+        if token != self.eos:
+            self.data += self.enc.decode_single_token_bytes(token)
+
+    def _held(self) -> int:
+        """Bytes at the end of the text that are the start of some stop string."""
+        data, held = self.data, 0
+        for p in self.patterns:
+            for k in range(min(len(p) - 1, len(data)), held, -1):
+                if data.endswith(p[:k]):
+                    held = k
+                    break
+        return held
+
+    def safe_text(self) -> str:
+        """The text that no later token can change: up to a stop string that completed (its "done" event
+        comes after its token), else without the tail that could still begin one."""
+        found = [i for i in (self.data.find(p) for p in self.patterns) if i >= 0]
+        end = min(found) if found else len(self.data) - self._held()
+        safe = bytes(self.data[:end])
+        return codecs.getincrementaldecoder("utf-8")("replace").decode(safe, final=False)
+
+    def final_text(self) -> str:
+        """gpt2_jax.complete's text: without a stopping EOS, cut before the stop string that matched."""
+        shown = self.tokens
+        if self.finish == "stop" and self.stop is None and shown and shown[-1] == self.eos:
+            shown = shown[:-1]
+        data = b"".join(self.enc.decode_single_token_bytes(t) for t in shown)
+        if self.stop is not None:
+            cut = data.find(self.stop.encode("utf-8"))
+            data = data[: cut if cut >= 0 else len(data)]
+        return data.decode("utf-8", errors="replace")
+
+    def delta(self, final: bool) -> str:
+        text = self.final_text() if final else self.safe_text()
+        if not text.startswith(self.shown):  # cannot happen (see safe_text); never resend text
+            return ""
+        out, self.shown = text[len(self.shown):], text
+        return out
+
+
+def _number(v: float) -> float | None:
+    return v if math.isfinite(v) else None  # JSON has no -Infinity
+
+
+def _logprobs_object(enc: Any, tokens: list, logprobs: list, tops: list, offset: int) -> dict:
+    """OpenAI's legacy logprobs: token strings, their logprobs, the top alternatives and character offsets
+    (into the choice's text). A None logprob (an echoed first prompt token) stays None."""
+    strings = [enc.decode([t]) for t in tokens]
+    offsets = []
+    for s in strings:
+        offsets.append(offset)
+        offset += len(s)
+    top = [None if t is None else {enc.decode([i]): _number(v) for i, v in zip(*t)} for t in tops]
+    return {"tokens": strings, "token_logprobs": [None if v is None else _number(v) for v in logprobs],
+            "top_logprobs": top, "text_offset": offsets}  # fmt: skip
+
+
+@jax.jit
+def _score_prompt(logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """logits [1, P, V] of tokens [1, P] -> log p(token t | tokens < t) for t >= 1, and the MAX_LOGPROBS most
+    likely ids and logprobs after each position."""
+    logp = jax.nn.log_softmax(logits[0, :-1].astype(jnp.float32), axis=-1)
+    picked = jnp.take_along_axis(logp, tokens[0, 1:, None], axis=-1)[:, 0]
+    values, ids = jax.lax.top_k(logp, MAX_LOGPROBS)
+    return picked, ids, values
+
+
+def prompt_logprobs(params: Any, config: Any, ids: list[int], top_n: int) -> tuple[list, list]:
+    """One gpt2_jax.forward pass over a prompt -> (logprobs, top) per prompt token, the first None. The
+    prompt is padded to its length bucket, so a new length rarely compiles."""
+    P = bucket(len(ids), config.n_positions)
+    tokens = np.zeros((1, P), np.int32)
+    tokens[0, : len(ids)] = ids
+    logits = forward(params, tokens, config)[..., : config.valid_vocab]
+    picked, top_ids, top_lps = jax.device_get(_score_prompt(logits, jnp.asarray(tokens)))
+    n = len(ids)
+    lps = [None] + picked[: n - 1].tolist()
+    tops = [None] + [(i[:top_n].tolist(), v[:top_n].tolist()) for i, v in zip(top_ids[: n - 1], top_lps[: n - 1])]
+    return lps, tops
+
+
+def row_key(seed: int, index: int) -> jax.Array:
+    """Choice `index`'s key: generate's key for row `index` of a batch sampled with jax.random.key(seed)."""
+    return jax.random.fold_in(jax.random.key(seed), index)
+
+
+# ---- the request ---------------------------------------------------------------------------------------------
+class Plan:
+    """A validated request: its prompts as token ids and text, and the engine's per-row settings."""
+
+    def __init__(self, req: CompletionRequest, engine: Engine, enc: Any):
+        config = engine.config
+        self.n = 1 if req.n is None else req.n
+        if self.n < 1:
+            raise ApiError(400, f"n must be >= 1, got {self.n}", param="n")
+        if req.best_of is not None and req.best_of != self.n:
+            raise ApiError(400, "best_of is not supported (only best_of = n)", param="best_of")
+        if req.suffix is not None:
+            raise ApiError(400, "suffix is not supported", param="suffix")
+        self.max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+        if self.max_tokens < 0:
+            raise ApiError(400, f"max_tokens must be >= 0, got {self.max_tokens}", param="max_tokens")
+        self.echo = bool(req.echo)
+        self.top_n = req.logprobs
+        if self.top_n is not None and not 0 <= self.top_n <= MAX_LOGPROBS:
+            raise ApiError(400, f"logprobs must be an int in [0, {MAX_LOGPROBS}], got {self.top_n}", param="logprobs")
+        if req.seed is not None and not 0 <= req.seed < SEED_LIMIT:
+            raise ApiError(400, f"seed must be an int in [0, 2**32), got {req.seed}", param="seed")
+        self.seed = secrets.randbelow(2**31) if req.seed is None else req.seed
+        self.stream = bool(req.stream)
+        if req.stream_options is not None and not self.stream:
+            raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
+        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        self.prompts, self.texts = self._prompts(req.prompt, enc, config)
+        rows = len(self.prompts) * self.n
+        if rows > engine.max_batch + engine.max_queue:
+            raise ApiError(400, f"{len(self.prompts)} prompt(s) x n={self.n} = {rows} completions exceed this "
+                                f"server's capacity of {engine.max_batch + engine.max_queue} "
+                                f"(max_batch + max_queue)", param="n")  # fmt: skip
+        for p, ids in enumerate(self.prompts):
+            if len(ids) + self.max_tokens > engine.max_seq:
+                raise ApiError(400, f"prompt {p}: {len(ids)} prompt tokens + max_tokens={self.max_tokens} exceed "
+                                    f"this server's max_seq={engine.max_seq}", param="max_tokens",
+                               code="context_length_exceeded")  # fmt: skip
+        self.options = self._options(req)
+        if self.options.get("min_new_tokens", 0) > self.max_tokens:
+            raise ApiError(400, f"min_tokens={req.min_tokens} must be <= max_tokens={self.max_tokens}",
+                           param="min_tokens")  # fmt: skip
+        self.stops = list(self.options.get("stop") or ())
+
+    @staticmethod
+    def _prompts(prompt: Any, enc: Any, config: Any) -> tuple[list[list[int]], list[str]]:
+        """A string, a list of strings, a list of token ids or a list of token-id lists -> (ids, text) per prompt."""
+        if prompt is None:
+            prompt = ""  # OpenAI: as if from the start of a new document
+        if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
+            prompt = [prompt]
+        if not prompt:
+            raise ApiError(400, "prompt is an empty list", param="prompt")
+        ids, texts = [], []
+        for p, x in enumerate(prompt):
+            if isinstance(x, str):
+                ids.append(enc.encode(x, allowed_special={"<|endoftext|>"}) or [enc.eot_token])
+                texts.append(x)
+                continue
+            if not x:
+                raise ApiError(400, f"prompt {p} is an empty list of token ids", param="prompt")
+            bad = [t for t in x if not 0 <= t < config.valid_vocab]
+            if bad:
+                raise ApiError(400, f"prompt {p}: token id {bad[0]} is outside the vocab [0, {config.valid_vocab})",
+                               param="prompt")  # fmt: skip
+            ids.append(list(x))
+            texts.append(enc.decode(list(x)))
+        return ids, texts
+
+    @staticmethod
+    def _options(req: CompletionRequest) -> dict:
+        """The request's settings as generate's keyword arguments (only those given)."""
+        o: dict[str, Any] = {}
+        for api, ours in (("temperature", "temperature"), ("top_p", "top_p"), ("min_p", "min_p"),
+                          ("repetition_penalty", "repetition_penalty"), ("presence_penalty", "presence_penalty"),
+                          ("frequency_penalty", "frequency_penalty"), ("min_tokens", "min_new_tokens")):  # fmt: skip
+            v = getattr(req, api)
+            if v is not None:
+                o[ours] = v
+        if req.top_k is not None:
+            if req.top_k < -1:
+                raise ApiError(400, f"top_k must be -1 or 0 (off) or a positive int, got {req.top_k}", param="top_k")
+            o["top_k"] = max(req.top_k, 0)
+        if req.stop is not None and req.stop != []:
+            o["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
+        if req.logit_bias:
+            bias = {}
+            for k, v in req.logit_bias.items():
+                if not re.fullmatch(r"[0-9]+", k):
+                    raise ApiError(400, f"logit_bias keys must be token ids, got {k!r}", param="logit_bias")
+                t = int(k)
+                if not -100 <= v <= 100:
+                    raise ApiError(400, f"logit_bias[{k}] must be in [-100, 100], got {v}", param="logit_bias")
+                bias[t] = v
+            o["logit_bias"] = bias
+        given = [f for f in ("regex", "choice", "json_schema") if getattr(req, f) is not None]
+        if len(given) > 1:
+            raise ApiError(400, f"give at most one of regex, choice and json_schema, got {', '.join(given)}",
+                           param=given[1])  # fmt: skip
+        try:
+            if req.regex is not None:
+                o["constraint"] = constraints.regex(req.regex)
+            elif req.choice is not None:
+                o["constraint"] = constraints.choice(req.choice)
+            elif req.json_schema is not None:
+                o["constraint"] = constraints.json_schema(req.json_schema)
+        except GPT2JaxError as e:
+            raise ApiError(400, str(e), param=given[0]) from None
+        return o
+
+
+class Job:
+    """One HTTP request in flight: its choices, the engine rows, and the queue their events arrive on."""
+
+    def __init__(self, rid: str, plan: Plan, enc: Any, eos: int | None, metrics: Metrics, arrived: float):
+        self.rid, self.plan, self.metrics = rid, plan, metrics
+        self.arrived = arrived  # perf_counter() when the request came in
+        self.first_token: float | None = None
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.loop = asyncio.get_running_loop()
+        self.choices = [Choice(p * plan.n + j, p, enc, plan.stops, eos)
+                        for p in range(len(plan.prompts)) for j in range(plan.n)]  # fmt: skip
+        self.echo: list[tuple[list, list]] = []  # per prompt: its logprobs and top alternatives
+        self.error: BaseException | None = None
+
+    def _callback(self, index: int):
+        put, metrics = self.queue.put_nowait, self.metrics
+
+        def on_event(kind: str, payload: Any) -> None:  # the engine thread
+            if kind == "token":
+                metrics.token()
+            self.loop.call_soon_threadsafe(put, (index, kind, payload))
+
+        return on_event
+
+    def submit(self, engine: Engine) -> None:
+        """Make and queue every row (a worker thread). All or none: a refusal cancels the rows queued."""
+        plan = self.plan
+        try:
+            for c in self.choices:
+                c.request = Request(plan.prompts[c.prompt_index], plan.max_tokens, row_key(plan.seed, c.index),
+                                    plan.options, self._callback(c.index), top_logprobs=plan.top_n or 0,
+                                    seed=plan.seed)  # fmt: skip
+                if c.index % plan.n == 0:
+                    engine.check(c.request)  # validate each prompt before queueing any row
+            for c in self.choices:
+                engine.submit(c.request)
+            if not engine.running:  # stopped while we queued: nobody will answer
+                raise Cancelled("the server is shutting down")
+        except BaseException:
+            self.cancel()
+            raise
+
+    def cancel(self) -> None:
+        for c in self.choices:
+            if c.request is not None:
+                c.request.cancel()
+
+    def handle(self, index: int, kind: str, payload: Any) -> Choice | None:
+        """Apply one engine event -> the choice it finished (else None)."""
+        c = self.choices[index]
+        if c.finish is not None:
+            return None
+        if kind == "token":
+            if self.first_token is None:
+                self.first_token = time.perf_counter()
+                self.metrics.ttft.observe(self.first_token - self.arrived)
+            c.add(*payload)
+            return None
+        if kind == "done":
+            c.finish, c.stop = payload
+        else:
+            c.finish, self.error = "error", self.error or payload
+        return c
+
+    def pending(self) -> int:
+        return sum(c.finish is None for c in self.choices)
+
+    def logprobs(self, c: Choice, start: int, end: int, with_prompt: bool) -> dict | None:
+        """Choice c's logprobs object for its tokens [start, end), the echoed prompt's first."""
+        if self.plan.top_n is None:
+            return None
+        tokens, lps, tops = c.tokens[start:end], c.logprobs[start:end], c.top[start:end]
+        offset = sum(len(c.enc.decode([t])) for t in c.tokens[:start])
+        if self.plan.echo:
+            prompt = self.plan.prompts[c.prompt_index]
+            if with_prompt:
+                plp, ptop = self.echo[c.prompt_index]
+                tokens, lps, tops = prompt + tokens, plp + lps, ptop + tops
+            else:
+                offset += len(self.plan.texts[c.prompt_index])
+        return _logprobs_object(c.enc, tokens, lps, tops, offset)
+
+    def usage(self) -> dict:
+        prompt = sum(len(p) for p in self.plan.prompts)
+        done = sum(len(c.tokens) for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+
+
+class EventStream(StreamingResponse):
+    """A StreamingResponse that cleans up as soon as the response ends, the client gone or not: it cancels
+    the job's engine rows (a no-op for finished ones) and closes the generator, whose own cleanup then
+    runs now rather than at garbage collection (and the rows are cancelled even if it never started)."""
+
+    def __init__(self, content, job: "Job", **kw):
+        super().__init__(content, **kw)
+        self.job = job
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.cancel()
+            await self.body_iterator.aclose()

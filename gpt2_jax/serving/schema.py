@@ -1,0 +1,118 @@
+"""The /v1/completions request schema and OpenAI-shaped errors."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Optional, Union
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict
+
+from gpt2_jax.errors import GPT2JaxError
+from gpt2_jax.serving.engine import Cancelled, QueueFull
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: Optional[bool] = None
+
+
+class CompletionRequest(BaseModel):
+    """OpenAI's /v1/completions body, plus vLLM's names for the settings OpenAI lacks (top_k, min_p,
+    repetition_penalty, min_tokens) and for constrained output (regex, choice, json_schema)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    model: str
+    prompt: Union[str, list[str], list[int], list[list[int]], None] = None
+    max_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    n: Optional[int] = None
+    stream: Optional[bool] = None
+    stream_options: Optional[StreamOptions] = None
+    logprobs: Optional[int] = None
+    echo: Optional[bool] = None
+    stop: Union[str, list[str], None] = None
+    seed: Optional[int] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, float]] = None
+    user: Optional[str] = None
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+    # vLLM's extensions
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    min_tokens: Optional[int] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    json_schema: Optional[dict[str, Any]] = None
+
+
+# gpt2_jax's names for settings, as the API calls them (errors name the API's field)
+_PARAM_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "top_logprobs": "logprobs"}
+_FIELDS = tuple(CompletionRequest.model_fields)
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI does: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.kind = kind or {400: "invalid_request_error", 404: "invalid_request_error",
+                             429: "rate_limit_error", 503: "server_error"}.get(status, "server_error")  # fmt: skip
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+    def response(self, headers: dict | None = None) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+_SETTINGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+             "logit_bias", "stop", "max_tokens", "min_tokens", "logprobs", "prompt", "regex", "choice", "json_schema")
+
+
+def _guess_param(message: str) -> str | None:
+    """The request field a gpt2_jax error message is about: the first setting it names."""
+    names = {**{f: f for f in _SETTINGS}, **_PARAM_NAMES, "token id": "prompt", "stop string": "stop"}
+    hits = [(m.start(), name) for name in names if (m := re.search(rf"\b{re.escape(name)}\b", message))]
+    return names[min(hits)[1]] if hits else None
+
+
+def from_gpt2_jax(e: Exception) -> ApiError:
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, QueueFull):
+        return ApiError(429, str(e), code="queue_full")
+    if isinstance(e, Cancelled):
+        return ApiError(503, f"request cancelled: {e}", code="cancelled")
+    if isinstance(e, GPT2JaxError):
+        message = str(e)
+        for ours, theirs in _PARAM_NAMES.items():
+            message = message.replace(ours, theirs)
+        code = "context_length_exceeded" if "max_seq" in message or "n_positions" in message else None
+        return ApiError(400, message, param=_guess_param(str(e)), code=code)
+    return ApiError(500, f"internal error: {type(e).__name__}: {e}")
+
+
+def from_validation(errors: list[dict]) -> ApiError:
+    """pydantic's errors -> one 400 naming the first bad field."""
+    e = errors[0]
+    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+    if e["type"] == "json_invalid":
+        return ApiError(400, f"the body is not valid JSON: {e['msg']}", code="invalid_json")
+    if e["type"] == "extra_forbidden":
+        return ApiError(400, f"unknown field {'.'.join(loc)!r}; accepted fields: {', '.join(_FIELDS)}",
+                        param=loc[0] if loc else None, code="unknown_field")  # fmt: skip
+    if e["type"] == "model_type" and not loc:
+        return ApiError(400, "the body must be a JSON object")
+    if loc and loc[0] == "prompt":
+        return ApiError(400, "prompt must be a string, a list of strings, a list of token ids or a list of "
+                             "token-id lists", param="prompt")  # fmt: skip
+    field = loc[0] if loc else None
+    return ApiError(400, f"{'.'.join(loc) or 'body'}: {e['msg']}", param=field)
+
