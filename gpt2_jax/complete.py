@@ -12,7 +12,7 @@ import jax
 
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import InputError
-from gpt2_jax.generate import GenerateResult, generate
+from gpt2_jax.generate import GenerateResult, encoding, generate
 from gpt2_jax.params import Params
 
 
@@ -23,14 +23,6 @@ class Completion(NamedTuple):
     stop: str | None  # the stop string that matched, if any
     logprobs: list | None  # log p(token) per token of `tokens`, under the raw logits
     top_logprobs: list | None  # per token: {token id: logprob} of the most likely ids (raw logits)
-
-
-def _encoding(tokenizer: Any):
-    if tokenizer is None:
-        from gpt2_jax.tokenizer import tokenizer as gpt2
-
-        return gpt2()
-    return tokenizer
 
 
 def completions(result: GenerateResult, enc: Any, stop_ids: set[int]) -> list[Completion]:
@@ -59,7 +51,7 @@ def complete(params: Params, config: GPT2Config, prompts: str | list[str], key: 
              tokenizer: Any = None, **options: Any) -> list[Completion]:
     """Prompt texts (one string or a list) -> one Completion per prompt. `options` are generate's (temperature,
     top_p, repetition_penalty, stop=["\\n\\n"], constraint=..., top_logprobs=N, ...); logprobs are returned."""
-    enc = _encoding(tokenizer)
+    enc = encoding(tokenizer)
     texts = [prompts] if isinstance(prompts, str) else list(prompts)
     if not all(isinstance(t, str) for t in texts):
         raise InputError("complete takes prompt text (a str or a list of str); use generate for token ids")

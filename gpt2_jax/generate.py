@@ -148,12 +148,17 @@ def generate(params: Params, config: GPT2Config, prompts: Any, key: jax.Array, *
                           [None if h is None else h.stop for h in hits], top_ids, top_lp)  # fmt: skip
 
 
-def _token_bytes(tokenizer: Any):
+def encoding(tokenizer: Any = None) -> Any:
+    """The tokenizer stop strings and text are decoded with: the one given, else the gpt2 encoding."""
     if tokenizer is None:
         from gpt2_jax.tokenizer import tokenizer as gpt2
 
-        tokenizer = gpt2()
-    return tokenizer.decode_single_token_bytes
+        return gpt2()
+    return tokenizer
+
+
+def _token_bytes(tokenizer: Any):
+    return encoding(tokenizer).decode_single_token_bytes
 
 
 def _generate_with_stops(params: Params, config: GPT2Config, prep: _Prepared, n: int, tokenizer: Any,
@@ -190,8 +195,7 @@ def _generate_with_stops(params: Params, config: GPT2Config, prep: _Prepared, n:
                        logprob=np.pad(out.logprob, ((0, 0), (0, pad))),
                        top_ids=np.pad(out.top_ids, ((0, 0), (0, pad), (0, 0))),
                        top_logprobs=np.pad(out.top_logprobs, ((0, 0), (0, pad), (0, 0))))  # fmt: skip
-    done = np.asarray(state.done) & np.array([h is None for h in matcher.hits] + [True] * (len(fill) - B))
-    return out, state.generated, done, matcher.hits
+    return out, state.generated, state.done, matcher.hits
 
 
 def generate_stream(params: Params, config: GPT2Config, prompts: Any, key: jax.Array, *, max_new_tokens: int,

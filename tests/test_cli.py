@@ -71,6 +71,11 @@ def test_prompt_from_stdin_and_samples(hf_dir, capsys, monkeypatch):
     (["--temperature", "-1"], "error: temperature must be a finite number >= 0"),
     (["--max-new-tokens", "100"], "exceed the context n_positions=64"),
     (["--num-samples", "2", "--stream"], "error: --stream prints one sample"),
+    (["--top-logprobs", "21"], "top_logprobs must be an int in [0, 20]"),
+    (["--repetition-penalty", "0"], "repetition_penalty must be a finite number > 0"),
+    (["--regex", "("], "invalid regex '(': outlines-core says"),
+    (["--json-schema", "/nonexistent/s.json"], "--json-schema /nonexistent/s.json: no such file"),
+    (["--stream", "--top-logprobs", "2"], "use it without --stream"),
 ])  # fmt: skip
 def test_bad_arguments_are_one_line(hf_dir, capsys, argv, message):
     code, out, err = run(capsys, "generate", "--model", str(hf_dir), "--prompt", "hi", "--max-new-tokens", "10", *argv)
@@ -222,16 +227,3 @@ def test_constraint_and_top_logprobs_flags(hf_dir, capsys, tmp_path):
     rows = table.strip().splitlines()  # one per token: the digits, then EOS
     assert len(rows) >= 2 and rows[-1].strip().startswith("'<|endoftext|>'")
     assert all(len(re.findall(r" -?\d+\.\d{3}", r.split(" | ")[1])) == 3 for r in rows)
-
-
-@pytest.mark.parametrize("argv,message", [
-    (["--top-logprobs", "21"], "top_logprobs must be an int in [0, 20]"),
-    (["--repetition-penalty", "0"], "repetition_penalty must be a finite number > 0"),
-    (["--regex", "("], "invalid regex '(': outlines-core says"),
-    (["--json-schema", "/nonexistent/s.json"], "--json-schema /nonexistent/s.json: no such file"),
-    (["--stream", "--top-logprobs", "2"], "use it without --stream"),
-])  # fmt: skip
-def test_bad_processor_flags_are_one_line(hf_dir, capsys, argv, message):
-    code, out, err = run(capsys, "generate", "--model", str(hf_dir), "--prompt", "hi", "--max-new-tokens", "10", *argv)
-    assert code == 2 and out == ""
-    assert len(err.strip().splitlines()) == 1 and message in err

@@ -35,19 +35,26 @@ def bucket(n: int, minimum: int) -> int:
     return max(minimum, 1 << max(n - 1, 0).bit_length())
 
 
-def row_scalar(name: str, value: Any, batch_size: int) -> np.ndarray:
-    """Check one scalar-or-[B] setting -> [B] array of its dtype."""
-    dtype, _, allowed, ok = _SCALARS[name]
+def check_row_values(name: str, value: Any, batch_size: int, allowed: str, ok: Any, floats: bool) -> np.ndarray:
+    """Check one scalar-or-[B] setting -> it as an array: its shape, its dtype (integers, or floats too when
+    `floats`), and the rule ok(values) (NaN fails every rule); ConfigError names the setting and row."""
     v = np.asarray(value)
     if v.ndim > 1 or (v.ndim == 1 and v.shape[0] != batch_size):
         raise ConfigError(f"{name} must be a scalar or one value per row (shape ({batch_size},)), got shape {v.shape}")
     integral = np.issubdtype(v.dtype, np.integer)
-    if v.dtype == bool or not (integral or (dtype == np.float32 and np.issubdtype(v.dtype, np.floating))):
-        raise ConfigError(f"{name} must be {allowed}, got {value!r}")
+    if v.dtype == bool or not (integral or (floats and np.issubdtype(v.dtype, np.floating))):
+        raise ConfigError(f"{name} must be {allowed}, got {value!r} of dtype {v.dtype}")
     bad = np.flatnonzero(~np.atleast_1d(ok(v.astype(np.float64))))
     if bad.size:
         where = f"{name}[{bad[0]}]" if v.ndim else name
         raise ConfigError(f"{where} must be {allowed}, got {np.atleast_1d(v)[bad[0]].item()!r}")
+    return v
+
+
+def row_scalar(name: str, value: Any, batch_size: int) -> np.ndarray:
+    """Check one scalar-or-[B] processor setting -> [B] array of its dtype."""
+    dtype, _, allowed, ok = _SCALARS[name]
+    v = check_row_values(name, value, batch_size, allowed, ok, floats=dtype == np.float32)
     return np.broadcast_to(v.astype(dtype), (batch_size,))
 
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gpt2_jax.errors import ConfigError
-from gpt2_jax.sampling.options import row_scalar
+from gpt2_jax.sampling.options import check_row_values, row_scalar
 
 
 class RowSettings(NamedTuple):
@@ -40,21 +40,8 @@ def check_sampling_args(temperature: Any, top_k: Any, top_p: Any, batch_size: in
         "top_p": ("a number in (0, 1] (1 means off)", lambda v: (v > 0) & (v <= 1)),
     }
     for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p)):
-        if _is_tracer(value):
-            continue  # inside a user's jit: values are unknown until run time
-        allowed, ok = rules[name]
-        v = np.asarray(value)
-        if v.ndim > 1 or (v.ndim == 1 and v.shape[0] != batch_size):
-            raise ConfigError(
-                f"{name} must be a scalar or one value per row (shape ({batch_size},)), got shape {v.shape}"
-            )
-        integral = np.issubdtype(v.dtype, np.integer)
-        if v.dtype == bool or not (integral or (name != "top_k" and np.issubdtype(v.dtype, np.floating))):
-            raise ConfigError(f"{name} must be {allowed}, got {value!r} of dtype {v.dtype}")
-        bad = np.flatnonzero(~np.atleast_1d(ok(v.astype(np.float64))))  # NaN fails every rule
-        if bad.size:
-            where = f"{name}[{bad[0]}]" if v.ndim else name
-            raise ConfigError(f"{where} must be {allowed}, got {np.atleast_1d(v)[bad[0]].item()!r}")
+        if not _is_tracer(value):  # inside a user's jit, values are unknown until run time
+            check_row_values(name, value, batch_size, *rules[name], floats=name != "top_k")
 
 
 def row_settings(temperature: Any, top_k: Any, top_p: Any, batch_size: int, min_p: Any = 0.0) -> RowSettings:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import threading
 import time
 from typing import Any, Callable
@@ -60,6 +61,7 @@ class Request:
     on_event: Callable[[str, Any], None]
     top_logprobs: int = 0
     cancelled: bool = False
+    prepared: Any = None  # generate's preparation of it, made by Engine.submit's check
     seed: int | None = None  # informational: the seed the key was made from, when there is one
     arrived: float = dataclasses.field(default_factory=time.perf_counter)
 
@@ -92,6 +94,7 @@ def _fit(a: np.ndarray, shape: tuple, what: str) -> np.ndarray:
     return np.pad(a, [(0, m - n) for n, m in zip(a.shape, shape)])
 
 
+@functools.partial(jax.jit, donate_argnums=0)
 def _insert(state: DecodeState, row: DecodeState, slot: jax.Array) -> DecodeState:
     """Copy a one-row state into slot `slot` of the engine's state (the cache's rows sit on axis 1)."""
     def put(big, small):
@@ -102,9 +105,6 @@ def _insert(state: DecodeState, row: DecodeState, slot: jax.Array) -> DecodeStat
                                  lengths=put(state.cache.lengths, row.cache.lengths))  # fmt: skip
     rest = jax.tree.map(put, state._replace(cache=None), row._replace(cache=None))
     return rest._replace(cache=cache)
-
-
-_insert_donated = jax.jit(_insert, donate_argnums=0)
 
 
 @jax.jit
@@ -183,7 +183,7 @@ class Engine:
     def submit(self, request: Request) -> None:
         """Queue a request (validated first: bad input raises here, before it is queued). QueueFull
         when every slot is busy and max_queue requests wait."""
-        self.check(request)
+        request.prepared = self.check(request)
         with self.lock:
             if self.stopped:
                 raise Cancelled("the server is shutting down")
@@ -203,7 +203,7 @@ class Engine:
     def _admit(self, b: int, request: Request) -> None:
         """Prefill the request alone and copy its row into slot b (a failure is reported to it alone)."""
         try:
-            prep = self.check(request)
+            prep = request.prepared or self.check(request)
             row = prefill(self.params, prep.batch.tokens[:1], prep.batch.lengths[:1], prep.batch.keys[:1],
                           self.config, self.capacity)  # fmt: skip
             c = request.options.get("constraint")
@@ -215,7 +215,7 @@ class Engine:
         stops = StopMatcher(prep.stops, 1, _token_bytes(None)) if prep.stops else None
         self.slots[b] = _Slot(request, 0, stops, automaton)
         self._set_row_rules(b, prep.rules)
-        self.state = _insert_donated(self.state, row, jnp.int32(b))
+        self.state = _insert(self.state, row, jnp.int32(b))
         if automaton is not None:
             self._repack_constraints()
         self.rules = jax.device_put(self.rules_host)
