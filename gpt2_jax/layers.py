@@ -7,6 +7,11 @@ so a token's attention reads the same keys in the same slots whichever path comp
 
 The residual stream is float32. Each matmul runs in the weights' dtype (float32 or bfloat16) and
 accumulates in float32; LayerNorm and softmax always compute in float32.
+
+Hooks: every function below takes an optional `tap`, called as `tap(name, x) -> x` at each of
+TransformerLens's hook points (names relative to the function: "hook_resid_pre", "ln1.hook_scale",
+"attn.hook_pattern", ...) and narrowed with `tap.within(prefix)`; gpt2_jax.inspect builds taps that
+record or edit. Without one (None) the functions trace exactly the ops they did before hooks existed.
 """
 
 from __future__ import annotations
@@ -26,8 +31,20 @@ BF16 = jnp.bfloat16
 NEG_INF = jnp.finfo(F32).min  # finite, so a fully masked row gives a uniform softmax, never NaN
 
 
-def layer_norm(p: dict, x: jax.Array, eps: float) -> jax.Array:
-    """[..., D] -> [..., D]: normalise over D (biased variance), then scale and shift."""
+def at(tap, name: str, x: jax.Array) -> jax.Array:
+    """x through the tap's hook point `name` (recorded or edited there); x itself without a tap."""
+    return x if tap is None else tap(name, x)
+
+
+def within(tap, prefix: str):
+    """The tap as seen by a sub-module whose hook names start with `prefix.` ("ln1", "attn", "mlp")."""
+    return None if tap is None else tap.within(prefix)
+
+
+def layer_norm(p: dict, x: jax.Array, eps: float, tap=None) -> jax.Array:
+    """[..., D] -> [..., D]: normalise over D (biased variance), then scale and shift. Hook points
+    (TransformerLens's): hook_scale sqrt(var + eps) [..., T, 1], hook_normalized (x - mean) / scale
+    [..., T, D], before the weight and bias."""
     x = x.astype(F32)
     # Enough rows that one token rounds as among many (see gpt2_jax.numerics); padded along T, the axis
     # no mesh splits, with zeros (finite), and dropped after.
@@ -37,9 +54,22 @@ def layer_norm(p: dict, x: jax.Array, eps: float) -> jax.Array:
         x = jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, extra), (0, 0)])
     mean = x.mean(-1, keepdims=True)
     var = jnp.square(x - mean).mean(-1, keepdims=True)
-    y = (x - mean) * jax.lax.rsqrt(var + eps) * take(p["weight"]).astype(F32)
+    normalized = (x - mean) * jax.lax.rsqrt(var + eps)
+    if tap is not None and x.ndim >= 2:
+        normalized = tap_normalized(tap, normalized, var + eps, T)
+    y = normalized * take(p["weight"]).astype(F32)
     y = y + take(p["bias"]).astype(F32) if "bias" in p else y
     return y[..., :T, :] if x.ndim >= 2 and extra > 0 else y
+
+
+def tap_normalized(tap, normalized: jax.Array, var_eps: jax.Array, T: int) -> jax.Array:
+    """normalized [..., T', D] (T' >= T: padded rows after T) through hook_scale and hook_normalized,
+    which see the T real rows. An edited scale s' rescales normalized by s / s', which is exactly 1 for
+    an unchanged one, so an identity hook keeps every bit (x / s' would round differently from the
+    x * rsqrt the model computes)."""
+    scale = jnp.sqrt(var_eps[..., :T, :])
+    normalized = normalized.at[..., :T, :].multiply(scale / tap("hook_scale", scale))
+    return normalized.at[..., :T, :].set(tap("hook_normalized", normalized[..., :T, :]))
 
 
 def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -97,9 +127,11 @@ def _split(key: jax.Array | None, n: int) -> list:
     return [None] * n if key is None else list(jax.random.split(key, n))
 
 
-def mlp(p: dict, x: jax.Array, config: GPT2Config, key: jax.Array | None = None) -> jax.Array:
-    """[B, T, D] -> [B, T, D]: c_fc (D->F), GELU, c_proj (F->D); each position on its own."""
-    hidden = constrain(gelu(linear(p["c_fc"], x), config.gelu_approximate), "BTF")  # F split on a mesh
+def mlp(p: dict, x: jax.Array, config: GPT2Config, key: jax.Array | None = None, tap=None) -> jax.Array:
+    """[B, T, D] -> [B, T, D]: c_fc (D->F), GELU, c_proj (F->D); each position on its own.
+    Hook points: hook_pre (before the GELU) and hook_post (after), [B, T, F]."""
+    pre = at(tap, "hook_pre", linear(p["c_fc"], x))
+    hidden = at(tap, "hook_post", constrain(gelu(pre, config.gelu_approximate), "BTF"))  # F split on a mesh
     y = constrain(linear(p["c_proj"], hidden), "BTD")  # on a mesh: the all-reduce of the row-split c_proj
     return dropout(y, config.resid_pdrop, key)
 
@@ -136,7 +168,7 @@ KEY_BLOCK = 128  # keys are scored in blocks of this many slots (see attend)
 
 
 def attend(q: jax.Array, k: jax.Array, vt: jax.Array, mask: jax.Array, scale: jax.Array,
-           key: jax.Array | None = None, rate: float = 0.0) -> jax.Array:
+           key: jax.Array | None = None, rate: float = 0.0, tap=None) -> jax.Array:
     """q [B, H, T, K] over keys k [B, H, S, K] and values vt [B, H, K, S] (transposed) where mask
     [B or 1, T, S] allows -> [B, H, T, K].
 
@@ -146,7 +178,8 @@ def attend(q: jax.Array, k: jax.Array, vt: jax.Array, mask: jax.Array, scale: ja
     softmax mass is summed alone and the blocks' sums added in order, so masked slots add exact zeros;
     the values are held transposed, the layout in which the weighted sum's kernel ignores S. A decode
     step's single query is padded with copies of itself (see matmul and MIN_REDUCE). Head-major
-    operands keep (B, H) as the leading batch dims: the cache is never transposed."""
+    operands keep (B, H) as the leading batch dims: the cache is never transposed.
+    Hook points: hook_attn_scores and hook_pattern [B, H, T, S] (see tap_scores, tap_pattern)."""
     B, H, T, K = q.shape
     S = k.shape[2]
     n = -(-S // KEY_BLOCK)
@@ -167,6 +200,8 @@ def attend(q: jax.Array, k: jax.Array, vt: jax.Array, mask: jax.Array, scale: ja
     scores = jnp.einsum("BHNTK,BHNCK->BHNTC", qb, kb, preferred_element_type=F32) * scale
     blocked = mask.reshape(mask.shape[0], Tq, n, KEY_BLOCK).transpose(0, 2, 1, 3)[:, None]  # [B, 1, N, T, C]
     scores = jnp.where(blocked, scores, NEG_INF)
+    if tap is not None:
+        scores = tap_scores(tap, scores, blocked, mask[:, :T, :S])
     e = jnp.exp(scores - jnp.max(scores, axis=(2, 4), keepdims=True))
     block_sums = e.sum(axis=-1)  # [B, H, N, T]
     total = block_sums[:, :, 0]
@@ -174,23 +209,47 @@ def attend(q: jax.Array, k: jax.Array, vt: jax.Array, mask: jax.Array, scale: ja
         total = total + block_sums[:, :, j]
     weights = dropout(e / total[:, :, None, :, None], rate, key)
     weights = weights.transpose(0, 1, 3, 2, 4).reshape(B, H, Tq, Sp)
+    if tap is not None:
+        weights = weights.at[:, :, :T, :S].set(tap("hook_pattern", weights[:, :, :T, :S]))
     out = jnp.einsum("BHTS,BHKS->BHTK", weights.astype(vt.dtype), vt, preferred_element_type=F32)
     return out[:, :, :T]
 
 
+def tap_scores(tap, scores: jax.Array, blocked: jax.Array, mask: jax.Array) -> jax.Array:
+    """Blocked scores [B, H, N, T', C] (padded: T' >= T queries, N x C >= S slots) through
+    hook_attn_scores as TransformerLens shows them, [B, H, T, S] with -inf where masked. Back in the
+    blocked layout, masked slots stay the finite NEG_INF (and an edit's -inf becomes it), so a row
+    the edit masks entirely gives a uniform softmax, not NaN; unmasked values are returned as given."""
+    B, H, N, Tq, C = scores.shape
+    T, S = mask.shape[-2:]
+    flat = scores.transpose(0, 1, 3, 2, 4).reshape(B, H, Tq, N * C)  # [B, H, T', N x C]
+    shown = jnp.where(mask[:, None], flat[:, :, :T, :S], -jnp.inf)
+    flat = flat.at[:, :, :T, :S].set(jnp.maximum(tap("hook_attn_scores", shown), NEG_INF))
+    return jnp.where(blocked, flat.reshape(B, H, Tq, N, C).transpose(0, 1, 3, 2, 4), NEG_INF)
+
+
+def heads_view(tap, name: str, x: jax.Array) -> jax.Array:
+    """Head-major x [B, H, T, K] through hook point `name` as TransformerLens lays it out, [B, T, H, K]."""
+    return jnp.swapaxes(tap(name, jnp.swapaxes(x, 1, 2)), 1, 2)
+
+
 def attention(p: dict, x: jax.Array, config: GPT2Config, layer: jax.Array | int, cache=None,
-              key: jax.Array | None = None):
+              key: jax.Array | None = None, tap=None):
     """[B, T, D] -> ([B, T, D], cache): causal multi-head self-attention, heads concatenated, then c_proj.
     With a cache (cache.CacheView), the new K/V are written into it first and attention reads the whole
-    cache under its mask. With a key (training), dropout on the attention weights and on the output."""
+    cache under its mask. With a key (training), dropout on the attention weights and on the output.
+    Hook points: hook_q/k/v (edited K/V are what the cache stores) and hook_z [B, T, H, K]; attend's."""
     k_attn, k_resid = _split(key, 2)
     q, k, v = qkv(p, x, config)
+    if tap is not None:
+        q, k, v = (heads_view(tap, name, a) for name, a in (("hook_q", q), ("hook_k", k), ("hook_v", v)))
     if cache is None:
         keys, values, mask = k, jnp.swapaxes(v, -1, -2), causal_mask(x.shape[1])
     else:
         cache = cache.write(layer, k, v)
         (keys, values), mask = cache.read(layer), cache.mask
-    out = attend(q, keys, values, mask, attn_scale(config, layer), k_attn, config.attn_pdrop)
+    out = attend(q, keys, values, mask, attn_scale(config, layer), k_attn, config.attn_pdrop, tap)
+    out = out if tap is None else heads_view(tap, "hook_z", out)
     return dropout(project_heads(p["c_proj"], out), config.resid_pdrop, k_resid), cache
 
 
@@ -200,11 +259,16 @@ def project_heads(p: dict, heads: jax.Array) -> jax.Array:
 
 
 def block(p: dict, x: jax.Array, config: GPT2Config, layer: jax.Array | int, cache=None,
-          key: jax.Array | None = None):
+          key: jax.Array | None = None, tap=None):
     """x [B, T, D] -> (x [B, T, D], cache): pre-LN transformer block with residual connections.
-    layer: this block's index (for the cache and inverse-layer scaling); dropout only with a key."""
+    layer: this block's index (for the cache and inverse-layer scaling); dropout only with a key.
+    Hook points [B, T, D]: hook_resid_pre, hook_attn_out, hook_resid_mid, hook_mlp_out,
+    hook_resid_post; and those of ln1, attn, ln2 and mlp."""
     eps = config.layer_norm_epsilon
     k_attn, k_mlp = _split(key, 2)
-    a, cache = attention(p["attn"], layer_norm(p["ln_1"], x, eps), config, layer, cache, k_attn)
-    x = x + a
-    return x + mlp(p["mlp"], layer_norm(p["ln_2"], x, eps), config, k_mlp), cache
+    x = at(tap, "hook_resid_pre", x)
+    ln1 = layer_norm(p["ln_1"], x, eps, within(tap, "ln1"))
+    a, cache = attention(p["attn"], ln1, config, layer, cache, k_attn, within(tap, "attn"))
+    x = at(tap, "hook_resid_mid", x + at(tap, "hook_attn_out", a))
+    m = mlp(p["mlp"], layer_norm(p["ln_2"], x, eps, within(tap, "ln2")), config, k_mlp, within(tap, "mlp"))
+    return at(tap, "hook_resid_post", x + at(tap, "hook_mlp_out", m)), cache

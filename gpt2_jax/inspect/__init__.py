@@ -1,0 +1,12 @@
+"""Look inside GPT-2: capture and edit any activation under TransformerLens's hook names.
+
+  run_with_cache(params, tokens, config, names=None) -> (logits, {name: activation})
+  run_with_hooks(params, tokens, config, hooks={name: fn}) -> logits (differentiable, vmappable)
+  hooks({name: fn}) -> Hooks: the hashable form that model.forward_cached (generation) takes
+  hook_names(config): every name, in forward order
+"""
+
+from gpt2_jax.inspect.hooks import BLOCK_POINTS, Hooks, hook_names, hooks
+from gpt2_jax.inspect.run import run_with_cache, run_with_hooks, traced
+
+__all__ = ["BLOCK_POINTS", "Hooks", "hook_names", "hooks", "run_with_cache", "run_with_hooks", "traced"]
