@@ -4,9 +4,16 @@
   run_with_hooks(params, tokens, config, hooks={name: fn}) -> logits (differentiable, vmappable)
   hooks({name: fn}) -> Hooks: the hashable form that model.forward_cached (generation) takes
   hook_names(config): every name, in forward order
+  logit_lens, accumulated_resid, direct_logit_attribution, activation_patching: tools on top
 """
 
 from gpt2_jax.inspect.hooks import BLOCK_POINTS, Hooks, hook_names, hooks
+from gpt2_jax.inspect.lens import Attribution, accumulated_resid, direct_logit_attribution, dla_names, logit_lens
+from gpt2_jax.inspect.patching import Patching, activation_patching
 from gpt2_jax.inspect.run import run_with_cache, run_with_hooks, traced
 
-__all__ = ["BLOCK_POINTS", "Hooks", "hook_names", "hooks", "run_with_cache", "run_with_hooks", "traced"]
+__all__ = [
+    "BLOCK_POINTS", "Hooks", "hook_names", "hooks", "run_with_cache", "run_with_hooks", "traced",
+    "logit_lens", "accumulated_resid", "direct_logit_attribution", "dla_names", "Attribution",
+    "activation_patching", "Patching",
+]  # fmt: skip
