@@ -28,6 +28,8 @@ from gpt2_jax.params import Params
 from gpt2_jax.prompts import Batch, check_stop_args, make_batch
 from gpt2_jax.sampling.options import check_top_logprobs, processor_settings
 from gpt2_jax.sharding import data_size, mesh_of, on_mesh
+from gpt2_jax.speculative import Speculator
+from gpt2_jax.speculative.stream import stream_rounds
 from gpt2_jax.stops import StopHit, StopMatcher, check_stop_strings
 
 MAX_STOP_IDS = 8  # stop ids are padded to a fixed count so their number never changes a shape
@@ -43,6 +45,8 @@ class GenerateResult(NamedTuple):
     stop_string: list | None = None  # [B] the stop string that ended the row, else None
     top_ids: np.ndarray | None = None  # [B, max_new_tokens, top_logprobs] the most likely ids (raw logits)
     top_logprobs: np.ndarray | None = None  # [B, max_new_tokens, top_logprobs] their log-probabilities
+    proposed: np.ndarray | None = None  # [B] speculative decoding: tokens proposed to the row
+    accepted: np.ndarray | None = None  # [B] ... of which kept (each round also keeps one drawn token)
 
 
 class _Prepared(NamedTuple):
@@ -97,7 +101,7 @@ def generate(params: Params, config: GPT2Config, prompts: Any, key: jax.Array, *
              logit_bias: Any = None, no_repeat_ngram_size: Any = 0, bad_words_ids: Any = None,
              min_new_tokens: Any = 0, constraint: Any = None, eos_id: int | None | str = "config",
              stop_ids: Any = (), stop: Any = None, tokenizer: Any = None, top_logprobs: int = 0,
-             return_logprobs: bool = False) -> GenerateResult:
+             return_logprobs: bool = False, draft: Any = None, num_speculative_tokens: int = 4) -> GenerateResult:
     """Prompts (lists of token ids, ragged) -> GenerateResult(tokens [B, N], lengths [B], logprobs, ...).
 
     key: one PRNG key (row b uses fold_in(key, b)) or one key per row [B]. Each sampling setting is a
@@ -114,6 +118,10 @@ def generate(params: Params, config: GPT2Config, prompts: Any, key: jax.Array, *
       encoding); a row stops at the token that completes one, and finish_reason/stop_string say so.
     top_logprobs: N <= 20: per generated token, the N most likely ids and their log-probabilities under
       the raw logits (before any processor, warper or temperature), as `logprobs` is.
+    draft: speculative decoding (gpt2_jax.speculative): "prompt_lookup" or (draft_params, draft_config), a
+      smaller model with the same vocabulary; each round checks num_speculative_tokens proposals in one
+      forward. The result equals decoding without a draft bit for bit (tokens, lengths, logprobs); only
+      the speed differs. proposed/accepted in the result count the proposals per row.
     Params sharded with gpt2_jax.sharding run on their mesh and give the same tokens."""
     prep = _prepare(params, config, prompts, key, max_new_tokens, temperature=temperature, top_k=top_k,
                     top_p=top_p, min_p=min_p, eos_id=eos_id, stop_ids=stop_ids, stop=stop, constraint=constraint,
@@ -123,9 +131,11 @@ def generate(params: Params, config: GPT2Config, prompts: Any, key: jax.Array, *
                     min_new_tokens=min_new_tokens)  # fmt: skip
     batch, B, n, r = prep.batch, prep.batch.rows, max_new_tokens, prep.r
     rr = 20 if r else 0  # one compiled width for every N
+    spec = None if draft is None else Speculator(params, config, draft, num_speculative_tokens,
+                                                  int(batch.lengths[:B].max()) + n)  # fmt: skip
     with on_mesh(prep.mesh):
-        if prep.stops:
-            out, generated, done, hits = _generate_with_stops(params, config, prep, n, tokenizer, rr)
+        if prep.stops or spec is not None:
+            out, generated, done, hits = _generate_chunks(params, config, prep, n, tokenizer, rr, spec)
         else:
             out, generated, done = generate_all(params, batch.tokens, batch.lengths, batch.keys, prep.rules,
                                                  jnp.int32(n), config, batch.capacity, batch.steps, rr)  # fmt: skip
@@ -144,8 +154,10 @@ def generate(params: Params, config: GPT2Config, prompts: Any, key: jax.Array, *
         after = np.arange(n)[None, :, None] >= lengths[:, None, None]
         top_ids = np.where(after, -1, np.asarray(out.top_ids)[:B, :n, :r])
         top_lp = np.where(after, 0.0, np.asarray(out.top_logprobs)[:B, :n, :r])
+    stats = None if spec is None else jax.tree.map(lambda x: x[:B], spec.stats)
     return GenerateResult(toks, lengths, logprobs if return_logprobs else None, reason,
-                          [None if h is None else h.stop for h in hits], top_ids, top_lp)  # fmt: skip
+                          [None if h is None else h.stop for h in hits], top_ids, top_lp,
+                          None if stats is None else stats.proposed, None if stats is None else stats.accepted)  # fmt: skip
 
 
 def encoding(tokenizer: Any = None) -> Any:
@@ -161,19 +173,27 @@ def _token_bytes(tokenizer: Any):
     return encoding(tokenizer).decode_single_token_bytes
 
 
-def _generate_with_stops(params: Params, config: GPT2Config, prep: _Prepared, n: int, tokenizer: Any,
-                         r: int) -> tuple[Any, Any, Any, list[StopHit | None]]:
-    """Decode DECODE_CHUNK steps per call; between calls, feed each row's new tokens to the stop matcher
-    and halt the rows whose stop string completed."""
+def _generate_chunks(params: Params, config: GPT2Config, prep: _Prepared, n: int, tokenizer: Any, r: int,
+                     spec: Speculator | None) -> tuple[Any, Any, Any, list[StopHit | None]]:
+    """Decode in chunks: with stop strings, DECODE_CHUNK steps per call, and between calls each row's new
+    tokens go to the stop matcher, which halts the rows whose stop string completed. Speculative
+    rounds (spec) run the same way, all n steps in one call when there are no stop strings."""
     batch, rules = prep.batch, prep.rules
     B = batch.rows
     matcher = StopMatcher(prep.stops, B, _token_bytes(tokenizer))
     state = prefill(params, batch.tokens, batch.lengths, batch.keys, config, batch.capacity, rules.constraint.start)
+    if spec is not None:
+        spec.start(batch.tokens, batch.lengths, batch.capacity)
+    size = DECODE_CHUNK if prep.stops else batch.steps
     chunks, t = [], 0
     before = np.zeros(B, np.int64)
     while t < n:
-        state, out, made = decode_chunk(params, state, rules, jnp.int32(min(DECODE_CHUNK, n - t)), config,
-                                        DECODE_CHUNK, r)  # fmt: skip
+        count = min(size, n - t)
+        if spec is None:
+            state, out, made = decode_chunk(params, state, rules, jnp.int32(count), config, size, r)
+        else:
+            state, out, made = spec.run(state, rules, t + count, size, r)
+            made = made.max(initial=0)
         made = int(made)
         chunks.append(jax.tree.map(lambda x: np.asarray(x)[:, :made], out))
         generated = np.asarray(state.generated)[:B]
@@ -204,12 +224,19 @@ def generate_stream(params: Params, config: GPT2Config, prompts: Any, key: jax.A
     where live marks the rows whose token is newly generated (the others have stopped and repeat EOS).
     A row whose stop string completes yields that token live and then stops."""
     options.pop("return_logprobs", None)
+    draft, k = options.pop("draft", None), options.pop("num_speculative_tokens", 4)
     prep = _prepare(params, config, prompts, key, max_new_tokens, **options)
     batch, B = prep.batch, prep.batch.rows
     rules = prep.rules if prep.mesh else jax.device_put(prep.rules)  # sent once, not at every step
     matcher = StopMatcher(prep.stops, B, _token_bytes(tokenizer))
     with on_mesh(prep.mesh):
         state = prefill(params, batch.tokens, batch.lengths, batch.keys, config, batch.capacity, rules.constraint.start)
+    if draft is not None:
+        spec = Speculator(params, config, draft, k, int(batch.lengths[:B].max()) + max_new_tokens)
+        spec.start(batch.tokens, batch.lengths, batch.capacity)
+        with on_mesh(prep.mesh):
+            yield from stream_rounds(spec, state, rules, max_new_tokens, B, matcher, halt)
+        return
     live = np.ones(B, bool)
     for _ in range(max_new_tokens):
         with on_mesh(prep.mesh):
