@@ -44,6 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", choices=["float32", "bfloat16", "int8"], default=None,
                      help="cast the weights; int8 = weight-only int8 blocks, bfloat16 otherwise (gpt2_jax.precision)")
     gen.add_argument("--mesh", help="run sharded over a device mesh, e.g. data=2,model=4 (see gpt2_jax.sharding)")
+    spec = gen.add_mutually_exclusive_group()
+    spec.add_argument("--draft", metavar="MODEL", help="speculative decoding with this smaller draft model (same "
+                      "vocabulary; any --model form); the output is the same, only faster")  # fmt: skip
+    spec.add_argument("--prompt-lookup", action="store_true",
+                      help="speculative decoding proposing the continuation of earlier matches in the text")
+    gen.add_argument("--speculate", type=int, default=4, metavar="K", help="tokens proposed per round (with --draft "
+                     "or --prompt-lookup)")  # fmt: skip
     _cache_arg(gen)
     cli_train.distributed_args(gen)
     convert_mod.build_parser(sub.add_parser("convert", help="convert a checkpoint (see convert/convert_pytorch.py)",
@@ -202,6 +209,19 @@ def _load_model(args: argparse.Namespace, mesh):
     return params, config
 
 
+def _draft_option(args: argparse.Namespace, mesh) -> dict:
+    """--draft / --prompt-lookup / --speculate -> generate's draft options (none without the first two)."""
+    if args.prompt_lookup:
+        return dict(draft="prompt_lookup", num_speculative_tokens=args.speculate)
+    if args.draft is None:
+        return {}
+    from gpt2_jax import load
+    from gpt2_jax.hub import resolve_model
+
+    draft = load(resolve_model(args.draft), dtype=None if args.dtype == "int8" else args.dtype, mesh=mesh, progress=True)
+    return dict(draft=draft, num_speculative_tokens=args.speculate)
+
+
 def _generate(args: argparse.Namespace) -> int:
     from gpt2_jax import complete, generate_stream
     from gpt2_jax.cache import cache_bytes
@@ -229,10 +249,11 @@ def _generate(args: argparse.Namespace) -> int:
     enc = tokenizer()
     ids = enc.encode(prompt, allowed_special={"<|endoftext|>"}) or [EOT]  # an empty prompt starts from <|endoftext|>
     params, config = _load_model(args, mesh)
+    kw = _draft_option(args, mesh)
     prompts = [ids] * args.num_samples
     if args.stream and args.top_logprobs:
         raise GPT2JaxError("--top-logprobs prints a table after the text; use it without --stream")
-    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+    kw.update(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
               min_p=args.min_p, repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
               presence_penalty=args.presence_penalty, no_repeat_ngram_size=args.no_repeat_ngram_size,
               min_new_tokens=args.min_new_tokens, stop=args.stop, constraint=_constraint(args))  # fmt: skip

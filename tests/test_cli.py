@@ -76,6 +76,7 @@ def test_prompt_from_stdin_and_samples(hf_dir, capsys, monkeypatch):
     (["--regex", "("], "invalid regex '(': outlines-core says"),
     (["--json-schema", "/nonexistent/s.json"], "--json-schema /nonexistent/s.json: no such file"),
     (["--stream", "--top-logprobs", "2"], "use it without --stream"),
+    (["--prompt-lookup", "--speculate", "0"], "num_speculative_tokens must be an int in [1, 16], got 0"),
 ])  # fmt: skip
 def test_bad_arguments_are_one_line(hf_dir, capsys, argv, message):
     code, out, err = run(capsys, "generate", "--model", str(hf_dir), "--prompt", "hi", "--max-new-tokens", "10", *argv)
@@ -227,3 +228,14 @@ def test_constraint_and_top_logprobs_flags(hf_dir, capsys, tmp_path):
     rows = table.strip().splitlines()  # one per token: the digits, then EOS
     assert len(rows) >= 2 and rows[-1].strip().startswith("'<|endoftext|>'")
     assert all(len(re.findall(r" -?\d+\.\d{3}", r.split(" | ")[1])) == 3 for r in rows)
+
+
+def test_speculative_flags_give_the_same_text(hf_dir, capsys):
+    argv = ["generate", "--model", str(hf_dir), "--prompt", "to be or not to be, to be", "--max-new-tokens", "20",
+            "--seed", "5", "--temperature", "0.8"]  # fmt: skip
+    _, plain, _ = run(capsys, *argv)
+    for extra in (["--prompt-lookup", "--speculate", "3"], ["--draft", str(hf_dir), "--speculate", "2"]):
+        code, out, _ = run(capsys, *argv, *extra)
+        assert code == 0 and out == plain
+    code, out, _ = run(capsys, *argv, "--prompt-lookup", "--stream")
+    assert code == 0 and out == plain
