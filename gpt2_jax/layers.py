@@ -179,7 +179,8 @@ def attend(q: jax.Array, k: jax.Array, vt: jax.Array, mask: jax.Array, scale: ja
     the values are held transposed, the layout in which the weighted sum's kernel ignores S. A decode
     step's single query is padded with copies of itself (see matmul and MIN_REDUCE). Head-major
     operands keep (B, H) as the leading batch dims: the cache is never transposed.
-    Hook points: hook_attn_scores and hook_pattern [B, H, T, S] (see tap_scores, tap_pattern)."""
+    Hook points: hook_attn_scores [B, H, T, S] (see tap_scores) and hook_pattern, the weights' real
+    [T, S] corner (a padded query's row or a padded slot's column is never shown)."""
     B, H, T, K = q.shape
     S = k.shape[2]
     n = -(-S // KEY_BLOCK)
