@@ -61,16 +61,17 @@ class Step(NamedTuple):
     top_logprobs: jax.Array  # [B, R] float32
 
 
-@functools.partial(jax.jit, static_argnames=("config", "capacity"))
+@functools.partial(jax.jit, static_argnames=("config", "capacity", "hooks"))
 def prefill(params: Params, tokens: jax.Array, lengths: jax.Array, keys: jax.Array, config: GPT2Config,
-            capacity: int, start: jax.Array | None = None) -> DecodeState:
+            capacity: int, start: jax.Array | None = None, hooks=None) -> DecodeState:
     """Right-padded prompts [B, P] of lengths [B] -> the state before the first draw: one cached forward
     writes every prompt's K/V into slots [0, P) of a fresh cache of `capacity` slots. start [B]: each
-    row's initial constraint state (None: all free)."""
+    row's initial constraint state (None: all free). hooks: a gpt2_jax.inspect.Hooks editing the
+    forward (steering), or None."""
     tokens, lengths, keys = constrain(tokens, "BT"), constrain(lengths, "B"), constrain(keys, "B")  # rows over "data"
     B = tokens.shape[0]
     cache = init_cache(config, B, capacity, params["wte"].dtype)
-    logits, cache = forward_cached(params, tokens, cache, config, last=lengths - 1)
+    logits, cache = forward_cached(params, tokens, cache, config, last=lengths - 1, hooks=hooks)
     no = jnp.zeros(B, bool)
     zero = jnp.zeros(B, jnp.int32)
     history = init_processor_state(tokens, lengths, capacity, config.vocab_size)
@@ -119,25 +120,25 @@ def draw(state: DecodeState, rules: Rules, n_valid: int, r: int = 0) -> tuple[De
     return state, Step(token, logprob, top_ids, top_lp)
 
 
-def feed(params: Params, state: DecodeState, token: jax.Array, config: GPT2Config) -> DecodeState:
+def feed(params: Params, state: DecodeState, token: jax.Array, config: GPT2Config, hooks=None) -> DecodeState:
     """Run the drawn tokens [B] through the model: their K/V enter the cache, new logits come out."""
-    logits, cache = forward_cached(params, token[:, None], state.cache, config)
+    logits, cache = forward_cached(params, token[:, None], state.cache, config, hooks=hooks)
     return state._replace(cache=cache, logits=logits[:, 0])
 
 
-@functools.partial(jax.jit, static_argnames=("config", "r"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("config", "r", "hooks"), donate_argnames=("state",))
 def decode_step(params: Params, state: DecodeState, rules: Rules, config: GPT2Config,
-                r: int = 0) -> tuple[DecodeState, Step]:
+                r: int = 0, hooks=None) -> tuple[DecodeState, Step]:
     """One streaming step: draw tokens [B] (with their logprobs), then feed them back. The state is
     donated: its cache is updated in place, so pass the returned state on and drop the old one. On a
     mesh, the step and the done flags come back whole on every device (and process)."""
     state, step = draw(state, rules, config.valid_vocab, r)
-    state = feed(params, state, step.token, config)
+    state = feed(params, state, step.token, config, hooks)
     return state._replace(done=replicate(state.done)), replicate(step)
 
 
 def decode_loop(params: Params, state: DecodeState, rules: Rules, limit: jax.Array, config: GPT2Config,
-                steps: int, r: int) -> tuple[DecodeState, Step, jax.Array]:
+                steps: int, r: int, hooks=None) -> tuple[DecodeState, Step, jax.Array]:
     """Up to `limit` draws (at most `steps`), stopping early once every row is done -> (state, Steps with a
     [B, steps] (or [B, steps, R]) leaf each, draws made). Steps never drawn hold the rows' fill and 0.
 
@@ -154,7 +155,7 @@ def decode_loop(params: Params, state: DecodeState, rules: Rules, limit: jax.Arr
         t, state, out = carry
         state, s = draw(state, rules, config.valid_vocab, r)
         out = jax.tree.map(lambda o, x: jax.lax.dynamic_update_index_in_dim(o, x, t, axis=1), out, s)
-        return t + 1, feed(params, state, s.token, config), out
+        return t + 1, feed(params, state, s.token, config, hooks), out
 
     out = Step(jnp.zeros((B, steps), jnp.int32), jnp.zeros((B, steps)), jnp.zeros((B, steps, r), jnp.int32),
                jnp.zeros((B, steps, r)))  # fmt: skip
@@ -164,21 +165,21 @@ def decode_loop(params: Params, state: DecodeState, rules: Rules, limit: jax.Arr
     return state, out, t
 
 
-@functools.partial(jax.jit, static_argnames=("config", "capacity", "steps", "r"))
+@functools.partial(jax.jit, static_argnames=("config", "capacity", "steps", "r", "hooks"))
 def generate_all(params: Params, tokens: jax.Array, lengths: jax.Array, keys: jax.Array, rules: Rules,
                  limit: jax.Array, config: GPT2Config, capacity: int, steps: int,
-                 r: int = 0) -> tuple[Step, jax.Array, jax.Array]:
+                 r: int = 0, hooks=None) -> tuple[Step, jax.Array, jax.Array]:
     """prefill + up to `limit` draws -> (Steps [B, steps], generated [B], done [B]), whole on every device."""
-    state = prefill(params, tokens, lengths, keys, config, capacity, rules.constraint.start)
-    state, out, _ = decode_loop(params, state, rules, limit, config, steps, r)
+    state = prefill(params, tokens, lengths, keys, config, capacity, rules.constraint.start, hooks)
+    state, out, _ = decode_loop(params, state, rules, limit, config, steps, r, hooks)
     return replicate((out, state.generated, state.done))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "steps", "r"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("config", "steps", "r", "hooks"), donate_argnames=("state",))
 def decode_chunk(params: Params, state: DecodeState, rules: Rules, limit: jax.Array, config: GPT2Config,
-                 steps: int, r: int = 0) -> tuple[DecodeState, Step, jax.Array]:
+                 steps: int, r: int = 0, hooks=None) -> tuple[DecodeState, Step, jax.Array]:
     """Continue a prefilled state by up to `limit` <= steps draws (for host checks between chunks)."""
-    state, out, t = decode_loop(params, state, rules, limit, config, steps, r)
+    state, out, t = decode_loop(params, state, rules, limit, config, steps, r, hooks)
     return state._replace(done=replicate(state.done)), replicate(out), t
 
 

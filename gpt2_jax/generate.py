@@ -23,6 +23,7 @@ from gpt2_jax.decode import (  # noqa: F401  (prefill, generate_all: part of thi
     DecodeState, Rules, StopRule, decode_chunk, decode_step, generate_all, halt, prefill,
 )
 from gpt2_jax.errors import ConfigError
+from gpt2_jax.inspect.hooks import check_names, hooks as make_hooks
 from gpt2_jax.numerics import pad_rows
 from gpt2_jax.params import Params
 from gpt2_jax.prompts import Batch, check_stop_args, make_batch
@@ -55,6 +56,7 @@ class _Prepared(NamedTuple):
     mesh: Any
     stops: list[str]
     r: int  # top logprobs asked for
+    hooks: Any  # a gpt2_jax.inspect.Hooks editing the forward (steering), or None
 
 
 def _constraint_rows(constraint: Any, rows: int, config: GPT2Config, eos: int) -> constraints.ConstraintTables:
@@ -75,7 +77,7 @@ def _constraint_rows(constraint: Any, rows: int, config: GPT2Config, eos: int) -
 def _prepare(params: Params, config: GPT2Config, prompts: Any, key: jax.Array, max_new_tokens: int, *,
              temperature: Any = 1.0, top_k: Any = 0, top_p: Any = 1.0, min_p: Any = 0.0,
              eos_id: int | None | str = "config", stop_ids: Any = (), stop: Any = None, constraint: Any = None,
-             top_logprobs: int = 0, **processors: Any) -> _Prepared:
+             top_logprobs: int = 0, hooks: Any = None, **processors: Any) -> _Prepared:
     """Validate everything on the host, before anything is traced. A mesh's data axis must divide the
     rows: copies of the last row fill up to a multiple of it (rows never affect each other, so the
     caller just drops the copies' results)."""
@@ -92,7 +94,10 @@ def _prepare(params: Params, config: GPT2Config, prompts: Any, key: jax.Array, m
         (batch.tokens, batch.lengths, sampling.row_keys(key, B), settings, procs, tables.group, tables.start))
     rules = Rules(settings, procs, StopRule(eos, ids), tables._replace(group=group, start=start))
     batch = batch._replace(tokens=tokens, lengths=lengths, keys=keys)
-    return _Prepared(batch, rules, mesh, check_stop_strings(stop), check_top_logprobs(top_logprobs))
+    edits = make_hooks(hooks) if hooks is not None else None
+    if edits:
+        check_names([name for name, _ in edits.items], config)
+    return _Prepared(batch, rules, mesh, check_stop_strings(stop), check_top_logprobs(top_logprobs), edits or None)
 
 
 def generate(params: Params, config: GPT2Config, prompts: Any, key: jax.Array, *, max_new_tokens: int,
@@ -101,7 +106,8 @@ def generate(params: Params, config: GPT2Config, prompts: Any, key: jax.Array, *
              logit_bias: Any = None, no_repeat_ngram_size: Any = 0, bad_words_ids: Any = None,
              min_new_tokens: Any = 0, constraint: Any = None, eos_id: int | None | str = "config",
              stop_ids: Any = (), stop: Any = None, tokenizer: Any = None, top_logprobs: int = 0,
-             return_logprobs: bool = False, draft: Any = None, num_speculative_tokens: int = 4) -> GenerateResult:
+             return_logprobs: bool = False, draft: Any = None, num_speculative_tokens: int = 4,
+             hooks: Any = None) -> GenerateResult:
     """Prompts (lists of token ids, ragged) -> GenerateResult(tokens [B, N], lengths [B], logprobs, ...).
 
     key: one PRNG key (row b uses fold_in(key, b)) or one key per row [B]. Each sampling setting is a
@@ -122,23 +128,26 @@ def generate(params: Params, config: GPT2Config, prompts: Any, key: jax.Array, *
       smaller model with the same vocabulary; each round checks num_speculative_tokens proposals in one
       forward. The result equals decoding without a draft bit for bit (tokens, lengths, logprobs); only
       the speed differs. proposed/accepted in the result count the proposals per row.
+    hooks: {hook name: fn} (or a gpt2_jax.inspect.Hooks) editing activations in every forward, prefill
+      and each step, as run_with_hooks does (steering while decoding); each fn sees that call's new
+      tokens. Build the functions once: a new function compiles a new program.
     Params sharded with gpt2_jax.sharding run on their mesh and give the same tokens."""
     prep = _prepare(params, config, prompts, key, max_new_tokens, temperature=temperature, top_k=top_k,
                     top_p=top_p, min_p=min_p, eos_id=eos_id, stop_ids=stop_ids, stop=stop, constraint=constraint,
                     top_logprobs=top_logprobs, repetition_penalty=repetition_penalty,
                     frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, logit_bias=logit_bias,
                     no_repeat_ngram_size=no_repeat_ngram_size, bad_words_ids=bad_words_ids,
-                    min_new_tokens=min_new_tokens)  # fmt: skip
+                    min_new_tokens=min_new_tokens, hooks=hooks)  # fmt: skip
     batch, B, n, r = prep.batch, prep.batch.rows, max_new_tokens, prep.r
     rr = 20 if r else 0  # one compiled width for every N
     spec = None if draft is None else Speculator(params, config, draft, num_speculative_tokens,
-                                                  int(batch.lengths[:B].max()) + n)  # fmt: skip
+                                                  int(batch.lengths[:B].max()) + n, prep.hooks)  # fmt: skip
     with on_mesh(prep.mesh):
         if prep.stops or spec is not None:
             out, generated, done, hits = _generate_chunks(params, config, prep, n, tokenizer, rr, spec)
         else:
             out, generated, done = generate_all(params, batch.tokens, batch.lengths, batch.keys, prep.rules,
-                                                 jnp.int32(n), config, batch.capacity, batch.steps, rr)  # fmt: skip
+                                                 jnp.int32(n), config, batch.capacity, batch.steps, rr, prep.hooks)  # fmt: skip
             hits = [None] * B
     toks, logprobs = np.asarray(out.token)[:B, :n], np.asarray(out.logprob)[:B, :n]
     lengths, done = np.asarray(generated)[:B].copy(), np.asarray(done)[:B]
@@ -181,7 +190,8 @@ def _generate_chunks(params: Params, config: GPT2Config, prep: _Prepared, n: int
     batch, rules = prep.batch, prep.rules
     B = batch.rows
     matcher = StopMatcher(prep.stops, B, _token_bytes(tokenizer))
-    state = prefill(params, batch.tokens, batch.lengths, batch.keys, config, batch.capacity, rules.constraint.start)
+    state = prefill(params, batch.tokens, batch.lengths, batch.keys, config, batch.capacity, rules.constraint.start,
+                    prep.hooks)  # fmt: skip
     if spec is not None:
         spec.start(batch.tokens, batch.lengths, batch.capacity)
     size = DECODE_CHUNK if prep.stops else batch.steps
@@ -190,7 +200,7 @@ def _generate_chunks(params: Params, config: GPT2Config, prep: _Prepared, n: int
     while t < n:
         count = min(size, n - t)
         if spec is None:
-            state, out, made = decode_chunk(params, state, rules, jnp.int32(count), config, size, r)
+            state, out, made = decode_chunk(params, state, rules, jnp.int32(count), config, size, r, prep.hooks)
         else:
             state, out, made = spec.run(state, rules, t + count, size, r)
             made = made.max(initial=0)
@@ -230,9 +240,10 @@ def generate_stream(params: Params, config: GPT2Config, prompts: Any, key: jax.A
     rules = prep.rules if prep.mesh else jax.device_put(prep.rules)  # sent once, not at every step
     matcher = StopMatcher(prep.stops, B, _token_bytes(tokenizer))
     with on_mesh(prep.mesh):
-        state = prefill(params, batch.tokens, batch.lengths, batch.keys, config, batch.capacity, rules.constraint.start)
+        state = prefill(params, batch.tokens, batch.lengths, batch.keys, config, batch.capacity, rules.constraint.start,
+                        prep.hooks)  # fmt: skip
     if draft is not None:
-        spec = Speculator(params, config, draft, k, int(batch.lengths[:B].max()) + max_new_tokens)
+        spec = Speculator(params, config, draft, k, int(batch.lengths[:B].max()) + max_new_tokens, prep.hooks)
         spec.start(batch.tokens, batch.lengths, batch.capacity)
         with on_mesh(prep.mesh):
             yield from stream_rounds(spec, state, rules, max_new_tokens, B, matcher, halt)
@@ -240,7 +251,7 @@ def generate_stream(params: Params, config: GPT2Config, prompts: Any, key: jax.A
     live = np.ones(B, bool)
     for _ in range(max_new_tokens):
         with on_mesh(prep.mesh):
-            state, step = decode_step(params, state, rules, config)
+            state, step = decode_step(params, state, rules, config, 0, prep.hooks)
         token = np.asarray(step.token)[:B]
         yield token, live
         if prep.stops:

@@ -193,3 +193,34 @@ def test_invalid_arguments(model_and_params, kwargs, error, message):
     with pytest.raises(error, match=message):
         generate(params, config, args.pop("prompts"), args.pop("key"), **args)
     assert _generate._cache_size() == before  # rejected before anything compiled
+
+
+def test_steering_hooks_while_decoding_match_a_torch_hook(model_and_params):
+    """A steering vector added to block 0's output (hook_resid_post) at every position: greedy tokens equal
+    transformers' generate with the same edit as a torch forward hook, plain, streamed and speculative;
+    logprobs equal a full run_with_hooks forward over the generated sequence, bit for bit."""
+    model, params, config = model_and_params
+    steer = np.random.default_rng(0).normal(0, 1.5, config.n_embd).astype(np.float32)
+    hooks = gpt2_jax.inspect.hooks({"blocks.0.hook_resid_post": lambda x: x + steer})
+    prompt, n = [5, 17, 0, 42, 9], 16
+    kw = dict(max_new_tokens=n, temperature=0.0, eos_id=None, hooks=hooks, return_logprobs=True)
+    ours = generate(params, config, [prompt], jax.random.key(0), **kw)
+    add = torch.from_numpy(steer)
+    handle = model.transformer.h[0].register_forward_hook(
+        lambda m, i, o: (o[0] + add, *o[1:]) if isinstance(o, tuple) else o + add)
+    try:
+        ids = torch.tensor([prompt])
+        hf = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()  # fmt: skip
+    finally:
+        handle.remove()
+    plain = generate(params, config, [prompt], jax.random.key(0), max_new_tokens=n, temperature=0.0, eos_id=None)
+    assert ours.tokens[0].tolist() == hf and plain.tokens[0].tolist() != hf  # the hook changed the text
+    full = gpt2_jax.run_with_hooks(params, np.array([prompt + hf[:-1]]), config, hooks)
+    logp = jax.nn.log_softmax(np.asarray(full)[0, len(prompt) - 1 :], axis=-1)
+    np.testing.assert_allclose(ours.logprobs[0], np.asarray(logp)[np.arange(n), hf], rtol=1e-5)
+    streamed = [int(t[0]) for t, _ in generate_stream(params, config, [prompt], jax.random.key(0), **{
+        k: v for k, v in kw.items() if k != "return_logprobs"})]  # fmt: skip
+    spec = generate(params, config, [prompt], jax.random.key(0), draft="prompt_lookup", **kw)
+    assert streamed == hf and spec.tokens[0].tolist() == hf
+    np.testing.assert_array_equal(spec.logprobs.view(np.uint32), ours.logprobs.view(np.uint32))

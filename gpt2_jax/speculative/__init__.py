@@ -64,8 +64,8 @@ class Speculator:
     """Drives speculative rounds for generate / generate_stream: start() prefills the draft (the target's
     state comes from decode.prefill), run() continues until each row holds `until` tokens."""
 
-    def __init__(self, params: Params, config: GPT2Config, draft: Any, k: int, needed: int):
-        self.params, self.config, self.k = params, config, int(k)
+    def __init__(self, params: Params, config: GPT2Config, draft: Any, k: int, needed: int, hooks: Any = None):
+        self.params, self.config, self.k, self.hooks = params, config, int(k), hooks
         self.draft_params, self.draft_config = check_draft(draft, config, k, needed)
         self.dcache = None
         self.stats = None
@@ -79,7 +79,7 @@ class Speculator:
         """-> (state, Steps [B, steps] from each row's count at entry, tokens made [B] (numpy))."""
         state, self.dcache, (out, made, stats) = speculate_chunk(
             self.params, self.draft_params, state, self.dcache, rules, jnp.int32(until), jnp.int32(rounds),
-            self.config, self.draft_config, steps, self.k, r)  # fmt: skip
+            self.config, self.draft_config, steps, self.k, r, self.hooks)  # fmt: skip
         stats = jax.tree.map(np.asarray, stats)
         self.stats = stats if self.stats is None else jax.tree.map(np.add, self.stats, stats)
         return state, out, np.asarray(made)

@@ -57,10 +57,10 @@ def _commit(take: jax.Array, new: DecodeState, old: DecodeState) -> DecodeState:
 
 def speculate_round(params: Params, draft_params: Params | None, state: DecodeState, dcache: KVCache | None,
                     rules: Rules, until: jax.Array, config: GPT2Config, draft_config: GPT2Config | None, k: int,
-                    r: int = 0) -> tuple[DecodeState, KVCache | None, Step, jax.Array]:
+                    r: int = 0, hooks=None) -> tuple[DecodeState, KVCache | None, Step, jax.Array]:
     """One round (module docstring) -> (state, draft cache, Steps [B, k+1] (t0, x_1..x_k), kept [B]).
     A row takes part while it is not done and has fewer than `until` tokens; the others are unchanged.
-    draft_config None: prompt lookup."""
+    draft_config None: prompt lookup. hooks edit the target's forward (gpt2_jax.inspect.Hooks), not the draft's."""
     base = state.cache.lengths
     active = ~state.done & (state.generated < until)
     s0, step0 = draw(state, rules, config.valid_vocab, r)
@@ -71,7 +71,8 @@ def speculate_round(params: Params, draft_params: Params | None, state: DecodeSt
     else:
         prev = s.history.history[rows, base - 1]
         guess, dcache = draft_propose(draft_params, dcache, prev, step0.token, base - 1, k, draft_config)
-    logits, cache = forward_cached(params, jnp.concatenate([step0.token[:, None], guess], 1), state.cache, config)
+    logits, cache = forward_cached(params, jnp.concatenate([step0.token[:, None], guess], 1), state.cache, config,
+                                   hooks=hooks)  # fmt: skip
 
     def check(carry, xs):
         s, ok, kept = carry
@@ -94,7 +95,7 @@ def speculate_round(params: Params, draft_params: Params | None, state: DecodeSt
 
 def speculate_loop(params: Params, draft_params: Params | None, state: DecodeState, dcache: KVCache | None,
                    rules: Rules, until: jax.Array, rounds: jax.Array, config: GPT2Config,
-                   draft_config: GPT2Config | None, steps: int, k: int, r: int):
+                   draft_config: GPT2Config | None, steps: int, k: int, r: int, hooks=None):
     """Rounds until every row is done or holds `until` tokens (at most `rounds` rounds) -> (state, draft
     cache, Steps [B, steps] from the row's count at entry (the fill and 0 after its last token), tokens
     made [B], Stats)."""
@@ -112,7 +113,7 @@ def speculate_loop(params: Params, draft_params: Params | None, state: DecodeSta
         active = ~state.done & (state.generated < until)
         where = state.generated - start
         state, dcache, new, kept = speculate_round(params, draft_params, state, dcache, rules, until, config,
-                                                   draft_config, k, r)  # fmt: skip
+                                                   draft_config, k, r, hooks)  # fmt: skip
         j = jnp.arange(k + 1)[None, :]
         idx = jnp.where(j < kept[:, None], where[:, None] + j, steps)  # past the end: dropped
         out = jax.tree.map(lambda o, x: o.at[rows, idx].set(x, mode="drop"), out, new)
@@ -130,14 +131,14 @@ def speculate_loop(params: Params, draft_params: Params | None, state: DecodeSta
     return state, dcache, out, made, stats
 
 
-@functools.partial(jax.jit, static_argnames=("config", "draft_config", "steps", "k", "r"),
+@functools.partial(jax.jit, static_argnames=("config", "draft_config", "steps", "k", "r", "hooks"),
                    donate_argnames=("state", "dcache"))  # fmt: skip
 def speculate_chunk(params: Params, draft_params: Params | None, state: DecodeState, dcache: KVCache | None,
                     rules: Rules, until: jax.Array, rounds: jax.Array, config: GPT2Config,
-                    draft_config: GPT2Config | None, steps: int, k: int, r: int = 0):
+                    draft_config: GPT2Config | None, steps: int, k: int, r: int = 0, hooks=None):
     """speculate_loop, jitted; state and draft cache are donated (updated in place)."""
     state, dcache, out, made, stats = speculate_loop(params, draft_params, state, dcache, rules, until, rounds,
-                                                     config, draft_config, steps, k, r)  # fmt: skip
+                                                     config, draft_config, steps, k, r, hooks)  # fmt: skip
     return state._replace(done=replicate(state.done)), dcache, replicate((out, made, stats))
 
 
