@@ -114,8 +114,8 @@ def forward_cached(params: Params, tokens: jax.Array, cache: KVCache, config: GP
 
     hooks: a gpt2_jax.inspect.Hooks (hashable, so it can be a static jit argument) edits activations
     as in run_with_hooks; here each hook sees this call's T new tokens ([B, T, ...]; attention
-    scores and patterns [B, H, T, S] over the cache's slots). None traces exactly the plain program."""
-    tap = None if hooks is None else edit_tap(hooks, config)
+    scores and patterns [B, H, T, S] over the cache's slots). None or no edits traces exactly the plain program."""
+    tap = edit_tap(hooks, config) if hooks else None  # Hooks() and {} are falsy
     B, T = tokens.shape
     slots = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)  # [B, T]: = the tokens' positions
     view = CacheView(cache.k, cache.v, cache.lengths, visible(cache.lengths, T, cache.capacity))

@@ -307,3 +307,6 @@ def test_forward_cached_takes_hooks_under_jit(model):
     assert np.abs(steered[:, :9] - unsteered).max() > 0.05  # the steering changes the logits
     identity = inspect.hooks({"blocks.0.mlp.hook_post": lambda x: x})
     np.testing.assert_array_equal(bits(step(params, prompt, cache, config, hooks=identity)[0]), bits(unsteered))
+    none = jax.jit(forward_cached, static_argnames=("config", "hooks")).lower(params, prompt, cache, config).as_text()
+    empty = step.lower(params, prompt, cache, config, hooks=inspect.hooks()).as_text()
+    assert empty == none  # no edits: the plain program
