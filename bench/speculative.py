@@ -70,7 +70,7 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--k", default="4,8", help="proposals per round, comma-separated")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--damp", type=float, default=0.1)
+    parser.add_argument("--damp", type=float, default=0.02)
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     args = parser.parse_args()
 
