@@ -100,10 +100,10 @@ def test_statistics_follow_the_draft(target, drafts):
 
 def test_a_row_is_the_same_alone_and_in_any_batch(target, drafts):
     keys = sampling.row_keys(jax.random.key(3), len(PROMPTS))  # what generate gives row b: fold_in(key, b)
-    batch = run(target, SETTINGS["per-row"], drafts["unrelated"])
+    batch = run(target, SETTINGS["per-row"], "prompt_lookup")
     assert len(set(batch.accepted.tolist())) > 1  # rows accepted different counts in the same rounds
     for b in (0, 2):
-        alone = run(target, {k: v[b] for k, v in SETTINGS["per-row"].items()}, drafts["unrelated"], prompts=[PROMPTS[b]],
+        alone = run(target, {k: v[b] for k, v in SETTINGS["per-row"].items()}, "prompt_lookup", prompts=[PROMPTS[b]],
                     key=keys[b : b + 1])  # fmt: skip
         np.testing.assert_array_equal(alone.tokens[0], batch.tokens[b])
         np.testing.assert_array_equal(alone.logprobs[0].view(np.uint32), batch.logprobs[b].view(np.uint32))
