@@ -23,7 +23,7 @@ from gpt2_jax.decode import (  # noqa: F401  (prefill, generate_all: part of thi
     DecodeState, Rules, StopRule, decode_chunk, decode_step, generate_all, halt, prefill,
 )
 from gpt2_jax.errors import ConfigError
-from gpt2_jax.inspect.hooks import check_names, hooks as make_hooks
+from gpt2_jax.inspect.hooks import checked_hooks
 from gpt2_jax.numerics import pad_rows
 from gpt2_jax.params import Params
 from gpt2_jax.prompts import Batch, check_stop_args, make_batch
@@ -94,10 +94,8 @@ def _prepare(params: Params, config: GPT2Config, prompts: Any, key: jax.Array, m
         (batch.tokens, batch.lengths, sampling.row_keys(key, B), settings, procs, tables.group, tables.start))
     rules = Rules(settings, procs, StopRule(eos, ids), tables._replace(group=group, start=start))
     batch = batch._replace(tokens=tokens, lengths=lengths, keys=keys)
-    edits = make_hooks(hooks) if hooks is not None else None
-    if edits:
-        check_names([name for name, _ in edits.items], config)
-    return _Prepared(batch, rules, mesh, check_stop_strings(stop), check_top_logprobs(top_logprobs), edits or None)
+    edits = checked_hooks(hooks, config) or None  # None: the plain programs
+    return _Prepared(batch, rules, mesh, check_stop_strings(stop), check_top_logprobs(top_logprobs), edits)
 
 
 def generate(params: Params, config: GPT2Config, prompts: Any, key: jax.Array, *, max_new_tokens: int,
@@ -140,8 +138,7 @@ def generate(params: Params, config: GPT2Config, prompts: Any, key: jax.Array, *
                     min_new_tokens=min_new_tokens, hooks=hooks)  # fmt: skip
     batch, B, n, r = prep.batch, prep.batch.rows, max_new_tokens, prep.r
     rr = 20 if r else 0  # one compiled width for every N
-    spec = None if draft is None else Speculator(params, config, draft, num_speculative_tokens,
-                                                  int(batch.lengths[:B].max()) + n, prep.hooks)  # fmt: skip
+    spec = None if draft is None else _speculator(params, config, prep, draft, num_speculative_tokens, n)
     with on_mesh(prep.mesh):
         if prep.stops or spec is not None:
             out, generated, done, hits = _generate_chunks(params, config, prep, n, tokenizer, rr, spec)
@@ -169,6 +166,14 @@ def generate(params: Params, config: GPT2Config, prompts: Any, key: jax.Array, *
                           None if stats is None else stats.proposed, None if stats is None else stats.accepted)  # fmt: skip
 
 
+def _speculator(params: Params, config: GPT2Config, prep: _Prepared, draft: Any, k: int, n: int) -> Speculator:
+    """The checked draft, its cache holding the prompts (generate and generate_stream alike)."""
+    batch = prep.batch
+    spec = Speculator(params, config, draft, k, int(batch.lengths[: batch.rows].max()) + n, prep.hooks)
+    spec.start(batch.tokens, batch.lengths, batch.capacity)
+    return spec
+
+
 def encoding(tokenizer: Any = None) -> Any:
     """The tokenizer stop strings and text are decoded with: the one given, else the gpt2 encoding."""
     if tokenizer is None:
@@ -192,8 +197,6 @@ def _generate_chunks(params: Params, config: GPT2Config, prep: _Prepared, n: int
     matcher = StopMatcher(prep.stops, B, _token_bytes(tokenizer))
     state = prefill(params, batch.tokens, batch.lengths, batch.keys, config, batch.capacity, rules.constraint.start,
                     prep.hooks)  # fmt: skip
-    if spec is not None:
-        spec.start(batch.tokens, batch.lengths, batch.capacity)
     size = DECODE_CHUNK if prep.stops else batch.steps
     chunks, t = [], 0
     before = np.zeros(B, np.int64)
@@ -243,8 +246,7 @@ def generate_stream(params: Params, config: GPT2Config, prompts: Any, key: jax.A
         state = prefill(params, batch.tokens, batch.lengths, batch.keys, config, batch.capacity, rules.constraint.start,
                         prep.hooks)  # fmt: skip
     if draft is not None:
-        spec = Speculator(params, config, draft, k, int(batch.lengths[:B].max()) + max_new_tokens, prep.hooks)
-        spec.start(batch.tokens, batch.lengths, batch.capacity)
+        spec = _speculator(params, config, prep, draft, k, max_new_tokens)
         with on_mesh(prep.mesh):
             yield from stream_rounds(spec, state, rules, max_new_tokens, B, matcher, halt)
         return

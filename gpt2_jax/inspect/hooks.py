@@ -111,6 +111,13 @@ def hooks(edits: Hooks | Mapping[str, Edit] | Iterable[tuple[str, Edit]] | None 
     return Hooks(tuple(tuple(p) if isinstance(p, list) else p for p in pairs))
 
 
+def checked_hooks(edits, config: GPT2Config) -> Hooks:
+    """hooks(edits), every name checked against this model's hook points (before anything is traced)."""
+    edits = hooks(edits)
+    check_names([name for name, _ in edits.items], config)
+    return edits
+
+
 def apply_edit(name: str, fn: Edit, x: jax.Array) -> jax.Array:
     """fn(x), checked to keep x's shape and cast to x's dtype."""
     y = jnp.asarray(fn(x))

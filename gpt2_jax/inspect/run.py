@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gpt2_jax.config import GPT2Config
-from gpt2_jax.inspect.hooks import Hooks, Tap, check_names, hooks as as_hooks, select_names
+from gpt2_jax.inspect.hooks import Hooks, Tap, checked_hooks, select_names
 from gpt2_jax.model import apply, check_tokens
 from gpt2_jax.params import Params
 from gpt2_jax.sharding import mesh_of, on_mesh
@@ -47,8 +47,7 @@ def run_with_cache(params: Params, tokens, config: GPT2Config, names=None,
     attn.hook_attn_scores [B, H, T, T] (scaled, -inf where masked) and attn.hook_pattern [B, H, T, T];
     mlp.hook_pre/hook_post [B, T, F]."""
     tokens = _prepared(tokens, config)
-    record, edits = select_names(names, config), as_hooks(hooks)
-    check_names([name for name, _ in edits.items], config)
+    record, edits = select_names(names, config), checked_hooks(hooks, config)
     with on_mesh(mesh_of(params)):
         logits, cache = _traced(params, tokens, config, edits, record)
     return logits, {name: cache[name] for name in record}  # jit returns dicts sorted; forward order reads better

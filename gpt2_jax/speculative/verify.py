@@ -110,14 +110,13 @@ def speculate_loop(params: Params, draft_params: Params | None, state: DecodeSta
 
     def body(c):
         i, state, dcache, out, stats = c
-        active = ~state.done & (state.generated < until)
         where = state.generated - start
         state, dcache, new, kept = speculate_round(params, draft_params, state, dcache, rules, until, config,
                                                    draft_config, k, r, hooks)  # fmt: skip
         j = jnp.arange(k + 1)[None, :]
         idx = jnp.where(j < kept[:, None], where[:, None] + j, steps)  # past the end: dropped
         out = jax.tree.map(lambda o, x: o.at[rows, idx].set(x, mode="drop"), out, new)
-        on = active.astype(jnp.int32)
+        on = (kept > 0).astype(jnp.int32)  # the rows that took part: each keeps at least its t0
         stats = Stats(stats.proposed + on * k, stats.accepted + jnp.maximum(kept - 1, 0), stats.rounds + on)
         return i + 1, state, dcache, out, stats
 
