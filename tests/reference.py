@@ -51,6 +51,22 @@ def hf_logits(model: transformers.GPT2LMHeadModel, tokens) -> np.ndarray:
         return model(torch.as_tensor(np.asarray(tokens), dtype=torch.long)).logits.float().numpy()
 
 
+def exact_logits(model: transformers.GPT2LMHeadModel, tokens) -> np.ndarray:
+    """float64 logits [B, T, V] of a copy of a transformers model run in float64: the exact answer.
+
+    The fp32 contract is checked against this, not against transformers' own fp32 logits, because
+    those move from CPU to CPU: a CI machine gave 1.8e-5 between torch fp32 and our fp32 where this
+    one gives 4.5e-7 (torch's fp32 CPU attention kernels differ by CPU; float64 takes the plain path).
+    """
+    import copy
+
+    with torch.no_grad():
+        exact = copy.deepcopy(model).double()
+        for layer in exact.transformer.h:  # the upcast path insists on float32; in float64 it is the same math
+            layer.attn.reorder_and_upcast_attn = False
+        return exact(torch.as_tensor(np.asarray(tokens), dtype=torch.long)).logits.numpy()
+
+
 def rel_err(a, b) -> float:
     """max |a - b| / max |b|."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)

@@ -1,33 +1,62 @@
-"""The test suite, one pytest process per test file: python -m tests.run [pytest args].
+"""The test suite, one pytest process per test file, two files at a time: python -m tests.run [pytest args].
 
-Why: in a single process that has compiled a few hundred programs, XLA's CPU compiler has twice
-segfaulted while compiling a decode program that compiles fine in a fresh process (not yet
-root-caused, see README "Test"). Each file in its own process keeps that state small. Prints each
-file's result with its wall time and a closing 'N passed, N failed' line; exits non-zero if any file failed.
+Why one process per file: in a single process that has compiled a few hundred programs, XLA's CPU
+compiler has twice segfaulted while compiling a decode program that compiles fine in a fresh process
+(not yet root-caused, see README "Test"). Each file in its own process keeps that state small.
+Why two at a time: most of the suite's time is XLA compiling small programs, which runs on one core,
+so two files side by side use the CI machine's two cores (GPT2_JAX_TEST_JOBS=1 runs them one by one).
+The longest files start first. Prints each file's result with its wall time and a closing
+'N passed, N failed' line; exits non-zero if any file failed.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-totals = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
-bad = []
-for path in sorted(Path(__file__).parent.glob("test_*.py")):
+# The longest files (seconds on the 2-core CI machine, one at a time), started first so that no long
+# file starts last; the rest follow in name order.
+LONGEST = ["test_notebooks.py", "test_sharding.py", "test_sampling.py", "test_multihost.py", "test_cli.py",
+           "test_invariance.py", "test_speculative.py", "test_train.py", "test_stops_and_constraints.py"]  # fmt: skip
+
+
+def order(paths: list[Path]) -> list[Path]:
+    rank = {name: i for i, name in enumerate(LONGEST)}
+    return sorted(paths, key=lambda p: (rank.get(p.name, len(LONGEST)), p.name))
+
+
+def run_file(path: Path) -> tuple[Path, subprocess.CompletedProcess, float]:
     start = time.perf_counter()
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", str(path), *sys.argv[1:]], capture_output=True, text=True)
-    seconds = time.perf_counter() - start
-    last = (run.stdout.strip().splitlines() or [""])[-1]
-    counts = {what: int(n) for n, what in re.findall(r"(\d+) (passed|failed|skipped|errors?)", last)}
-    for what, n in counts.items():
-        totals["errors" if what.startswith("error") else what] += n
-    print(f"{path.name}: {last} [{seconds:.0f} s]", flush=True)
-    if run.returncode not in (0, 5):  # 5: every test deselected
-        bad.append(path.name)
-        totals["errors"] += 0 if counts.get("failed") or any(k.startswith("error") for k in counts) else 1  # a crash
-        print(run.stdout[-6000:] + run.stderr[-3000:], flush=True)
-print(f"{totals['passed']} passed, {totals['failed'] + totals['errors']} failed, {totals['skipped']} skipped")
-sys.exit(1 if bad else 0)
+    return path, run, time.perf_counter() - start
+
+
+def main() -> int:
+    totals = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
+    bad = []
+    start = time.perf_counter()
+    jobs = int(os.environ.get("GPT2_JAX_TEST_JOBS", "2"))
+    with ThreadPoolExecutor(jobs) as pool:
+        for path, run, seconds in pool.map(run_file, order(list(Path(__file__).parent.glob("test_*.py")))):
+            last = (run.stdout.strip().splitlines() or [""])[-1]
+            counts = {what: int(n) for n, what in re.findall(r"(\d+) (passed|failed|skipped|errors?)", last)}
+            for what, n in counts.items():
+                totals["errors" if what.startswith("error") else what] += n
+            print(f"{path.name}: {last} [{seconds:.0f} s]", flush=True)
+            if run.returncode not in (0, 5):  # 5: every test deselected
+                bad.append(path.name)
+                crashed = not (counts.get("failed") or any(k.startswith("error") for k in counts))
+                totals["errors"] += 1 if crashed else 0
+                print(run.stdout[-6000:] + run.stderr[-3000:], flush=True)
+    print(f"{totals['passed']} passed, {totals['failed'] + totals['errors']} failed, {totals['skipped']} skipped "
+          f"in {time.perf_counter() - start:.0f} s with {jobs} files at a time")  # fmt: skip
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
