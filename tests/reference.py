@@ -55,8 +55,9 @@ def exact_logits(model: transformers.GPT2LMHeadModel, tokens) -> np.ndarray:
     """float64 logits [B, T, V] of a copy of a transformers model run in float64: the exact answer.
 
     The fp32 contract is checked against this, not against transformers' own fp32 logits, because
-    those move from CPU to CPU: a CI machine gave 1.8e-5 between torch fp32 and our fp32 where this
-    one gives 4.5e-7 (torch's fp32 CPU attention kernels differ by CPU; float64 takes the plain path).
+    fp32 results move from CPU to CPU (each library picks kernels per CPU): on one CI machine ours and
+    transformers' fp32 were 1.8e-5 apart, on another 4.5e-7. Which side moved is not known (that
+    machine was not ours to probe); the float64 answer is the same everywhere, and failures print both.
     """
     import copy
 
