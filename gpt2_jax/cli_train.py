@@ -36,6 +36,9 @@ def train_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-batches", type=int, default=8, help="val batches per evaluation")
     p.add_argument("--ckpt-every", type=int, default=200, help="steps between checkpoints")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    p.add_argument("--remat", action="store_true",
+                   help="recompute each block's activations in the backward pass instead of keeping them: "
+                        "less memory, more time (the same losses)")
     p.add_argument("--mesh", help="train sharded over a device mesh, e.g. data=2,model=4")
     distributed_args(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -80,7 +83,7 @@ def run_train(args: argparse.Namespace) -> int:
     history = train(args.data, args.out, config=config, init=args.init, hyper=hyper, batch_size=args.batch_size,
                     block_size=args.block_size, accum=args.accum, seed=args.seed, eval_every=args.eval_every,
                     eval_batches=args.eval_batches, ckpt_every=args.ckpt_every, resume=args.resume,
-                    progress=not args.no_progress, mesh=mesh)  # fmt: skip
+                    progress=not args.no_progress, mesh=mesh, remat=args.remat)  # fmt: skip
     val = history["val"][-1][1] if history["val"] else float("nan")
     if is_main():
         print(f"gpt2-jax: final train loss {history['loss'][-1]:.4f}, val loss {val:.4f}, unigram baseline "

@@ -114,13 +114,22 @@ def gelu(x: jax.Array, approximate: bool) -> jax.Array:
     return jax.nn.gelu(x, approximate=approximate)
 
 
+DROP_BITS = 16  # random bits per dropout decision
+
+
 def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
     """Inverted dropout: zero each element with probability rate, scale the rest by 1/(1-rate).
-    key None (inference) means no dropout at all."""
+    key None (inference) means no dropout at all.
+
+    Each decision reads 16 random bits (jax.random.bits as uint16: half the threefry work of
+    bernoulli's 32-bit uniforms, which was a third of a training attention's time). So the rate is
+    used as the nearest multiple of 2^-16 (0.1 -> 0.100006), and the kept values are scaled by one
+    over that multiple's keep probability, so the expectation is exactly x."""
     if key is None or rate == 0.0:
         return x
-    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
-    return jnp.where(keep, x / (1.0 - rate), 0.0)
+    dropped = min(round(rate * 2**DROP_BITS), 2**DROP_BITS - 1)  # an element drops when bits < dropped
+    keep = jax.random.bits(key, x.shape, jnp.uint16) >= dropped
+    return jnp.where(keep, x * (2**DROP_BITS / (2**DROP_BITS - dropped)), 0.0)
 
 
 def _split(key: jax.Array | None, n: int) -> list:
@@ -216,6 +225,23 @@ def attend(q: jax.Array, k: jax.Array, vt: jax.Array, mask: jax.Array, scale: ja
     return out[:, :, :T]
 
 
+def attend_causal(q: jax.Array, k: jax.Array, v: jax.Array, scale: jax.Array, key: jax.Array | None = None,
+                  rate: float = 0.0) -> jax.Array:
+    """Training's attention: q, k, v [B, H, T, K] -> [B, H, T, K], causal over the call's own T tokens,
+    written as the textbook does: scores, the mask, jax.nn.softmax (whose derivative is one rule, not
+    autodiff through max, exp, sum and divide), dropout, the weighted sum.
+
+    The training step's fast path, beside attend: a training row's bits are never compared across
+    batch shapes or against a cache, so it skips attend's block-by-block sums, which cost 60% more
+    in the backward (measured at B=8, H=6, T=256 on the CI machine: 60 ms against 39 ms). Its results
+    equal attend's to float32 rounding."""
+    T = q.shape[2]
+    scores = jnp.einsum("BHTK,BHSK->BHTS", q, k, preferred_element_type=F32) * scale
+    weights = jax.nn.softmax(jnp.where(causal_mask(T)[:, None], scores, NEG_INF), axis=-1)
+    weights = dropout(weights, rate, key)
+    return jnp.einsum("BHTS,BHSK->BHTK", weights.astype(v.dtype), v, preferred_element_type=F32)
+
+
 def tap_scores(tap, scores: jax.Array, blocked: jax.Array, mask: jax.Array) -> jax.Array:
     """Blocked scores [B, H, N, T', C] (padded: T' >= T queries, N x C >= S slots) through
     hook_attn_scores as TransformerLens shows them, [B, H, T, S] with -inf where masked. Back in the
@@ -238,12 +264,15 @@ def attention(p: dict, x: jax.Array, config: GPT2Config, layer: jax.Array | int,
               key: jax.Array | None = None, tap=None):
     """[B, T, D] -> ([B, T, D], cache): causal multi-head self-attention, heads concatenated, then c_proj.
     With a cache (cache.CacheView), the new K/V are written into it first and attention reads the whole
-    cache under its mask. With a key (training), dropout on the attention weights and on the output.
+    cache under its mask. With a key (training: attend_causal), dropout on the attention weights and the output.
     Hook points: hook_q/k/v (edited K/V are what the cache stores) and hook_z [B, T, H, K]; attend's."""
     k_attn, k_resid = _split(key, 2)
     q, k, v = qkv(p, x, config)
     if tap is not None:
         q, k, v = (heads_view(tap, name, a) for name, a in (("hook_q", q), ("hook_k", k), ("hook_v", v)))
+    if cache is None and key is not None and tap is None:  # training (a key is only ever given there)
+        out = attend_causal(q, k, v, attn_scale(config, layer), k_attn, config.attn_pdrop)
+        return dropout(project_heads(p["c_proj"], out), config.resid_pdrop, k_resid), cache
     if cache is None:
         keys, values, mask = k, jnp.swapaxes(v, -1, -2), causal_mask(x.shape[1])
     else:

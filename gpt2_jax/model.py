@@ -38,12 +38,15 @@ def unembed(params: Params, h: jax.Array, config: GPT2Config, tap=None) -> jax.A
 
 
 def run_blocks(params: Params, x: jax.Array, config: GPT2Config, cache: CacheView | None = None,
-               key: jax.Array | None = None, tap=None) -> tuple[jax.Array, CacheView | None]:
+               key: jax.Array | None = None, tap=None, unroll: int = 1,
+               remat: bool = False) -> tuple[jax.Array, CacheView | None]:
     """x [B, T, D] -> (x [B, T, D], cache): the L blocks as one lax.scan over the layer index (compile
     time independent of L), per-layer or stacked params alike (see gpt2_jax.scan). With a cache, each
     block writes its K/V into it; with a key, layer i's dropout uses fold_in(key, i). With a tap
     (gpt2_jax.inspect.Tap), layer i's hook points are "blocks.{i}.*"; what the tap records rides in
-    the carry (`store`; None, no leaves, without a tap) and is handed back to it after the loop."""
+    the carry (`store`; None, no leaves, without a tap) and is handed back to it after the loop.
+    Training's options: unroll, layers per scan iteration (see gpt2_jax.train.TRAIN_UNROLL); remat,
+    recompute each block's activations in the backward instead of keeping them (jax.checkpoint)."""
     layers = scan_layers(params["h"])
     S = x.shape[1] if cache is None else cache.k.shape[-2]  # key slots each query attends over
 
@@ -55,7 +58,8 @@ def run_blocks(params: Params, x: jax.Array, config: GPT2Config, cache: CacheVie
         return (x, cache, None if tap is None else layer_tap.save(store)), None
 
     store = None if tap is None else tap.new_store(x.shape[0], x.shape[1], S)
-    (x, cache, store), _ = jax.lax.scan(step, (x, cache, store), jnp.arange(n_layers(params["h"])))
+    step = jax.checkpoint(step) if remat else step
+    (x, cache, store), _ = jax.lax.scan(step, (x, cache, store), jnp.arange(n_layers(params["h"])), unroll=unroll)
     if tap is not None:
         tap.load(store)
     return x, cache
@@ -65,10 +69,17 @@ def apply(params: Params, tokens: jax.Array, config: GPT2Config, key: jax.Array 
           tap=None) -> jax.Array:
     """tokens [B, T] -> logits [B, T, V], unjitted and unchecked. A key turns on dropout (training only);
     a tap (gpt2_jax.inspect) records or edits the activations at TransformerLens's hook points."""
+    return unembed(params, trunk(params, tokens, config, key, tap), config, tap)
+
+
+def trunk(params: Params, tokens: jax.Array, config: GPT2Config, key: jax.Array | None = None, tap=None,
+          unroll: int = 1, remat: bool = False) -> jax.Array:
+    """tokens [B, T] -> the last block's output [B, T, D]: embeddings (dropped out with a key), then the
+    blocks (run_blocks; unroll and remat are the training step's options). apply's body before unembed."""
     k_embd, k_blocks = (None, None) if key is None else jax.random.split(key)
     x = constrain(embed(params, tokens, jnp.arange(tokens.shape[1]), tap), "BTD")  # on a mesh: rows over "data"
     x = dropout(x, config.embd_pdrop, k_embd)
-    return unembed(params, run_blocks(params, x, config, None, k_blocks, tap)[0], config, tap)
+    return run_blocks(params, x, config, None, k_blocks, tap, unroll, remat)[0]
 
 
 @functools.partial(jax.jit, static_argnames="config")

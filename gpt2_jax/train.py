@@ -16,7 +16,9 @@ import optax
 
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import ConfigError
-from gpt2_jax.model import apply
+from gpt2_jax.layers import layer_norm
+from gpt2_jax.loss import head_loss
+from gpt2_jax.model import trunk
 from gpt2_jax.params import Params, stack_layers
 from gpt2_jax.sharding import constrain, mesh_of, on_mesh
 
@@ -40,19 +42,31 @@ class Hyper(NamedTuple):
     b2: float = 0.95
 
 
+TRAIN_UNROLL = 12  # layers per iteration of the training step's layer scan (see loss_fn)
+
+
 def loss_fn(params: Params, tokens: jax.Array, config: GPT2Config, *, key: jax.Array | None = None,
-            train: bool = False) -> jax.Array:
+            train: bool = False, remat: bool = False) -> jax.Array:
     """tokens int32 [B, T+1] -> mean cross-entropy (nats) of tokens[:, 1:] given tokens[:, :-1].
-    Dropout (config's embd/attn/resid rates) only when train=True, driven by key."""
+    Dropout (config's embd/attn/resid rates) only when train=True, driven by key. remat: recompute
+    each block's activations in the backward instead of keeping them (less memory, more time).
+
+    The layers run as one scan unrolled TRAIN_UNROLL layers at a time: unrolled, XLA keeps each
+    layer's activations for the backward in buffers of their own instead of writing them into and
+    reading them out of [L, ...] stacks (the 6 x 384 step: 1.32 s -> 1.08 s for the blocks'
+    forward and backward), at a compile time that grows with the unrolled layers (a 12-layer model
+    compiles 12 blocks, deeper models no more)."""
     if train and key is None:
         raise ConfigError("loss_fn(train=True) needs a PRNG key for dropout")
     tokens = constrain(tokens, "BT")  # on a mesh: data parallel, each "data" slice takes its rows
     # The layers stacked: their scan slices each weight (a copy that is nothing next to B x T tokens of
     # work), and the backward pass stays a plain scan (per-layer buffers are read through lax.switch,
     # whose backward adds a zero cotangent for every layer at every layer). A no-op for stacked params.
-    logits = apply(stack_layers(params), tokens[:, :-1], config, key if train else None)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1).mean()
+    params = stack_layers(params)
+    unroll = min(TRAIN_UNROLL, config.n_layer)
+    x = trunk(params, tokens[:, :-1], config, key if train else None, unroll=unroll, remat=remat)
+    h = layer_norm(params["ln_f"], x, config.layer_norm_epsilon)
+    return head_loss(h, params["wte"], tokens[:, 1:])  # = the mean of -log_softmax(h @ wte.T)[target]
 
 
 def decay_mask(params: Params) -> Params:
@@ -81,15 +95,16 @@ def init_state(params: Params, optimizer: optax.GradientTransformation) -> Train
     return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
 
 
-def make_train_step(config: GPT2Config, optimizer: optax.GradientTransformation):
+def make_train_step(config: GPT2Config, optimizer: optax.GradientTransformation, *, remat: bool = False):
     """A jitted (state, batch [A, B, T+1], key) -> (state, {loss, grad_norm}), the state donated (pass the
     returned one on; the old one is consumed): A micro-batches are
     accumulated (mean gradient) before one optimizer update; micro-batch a's dropout uses fold_in(key, a).
     A state whose params are sharded (gpt2_jax.sharding) trains on their mesh: every process passes
-    the same global batch, each "data" slice computes its rows, gradients are all-reduced."""
+    the same global batch, each "data" slice computes its rows, gradients are all-reduced.
+    remat: recompute each block's activations in the backward (loss_fn); the same losses, less memory."""
 
     def grads_of(params, tokens, key):
-        return jax.value_and_grad(loss_fn)(params, tokens, config, key=key, train=True)
+        return jax.value_and_grad(loss_fn)(params, tokens, config, key=key, train=True, remat=remat)
 
     @functools.partial(jax.jit, donate_argnums=0)  # the old state's buffers become the new state's
     def jitted(state: TrainState, batch: jax.Array, key: jax.Array):

@@ -83,12 +83,14 @@ def _manager(out: Path):
 
 def train(data: str, out: str, *, config: GPT2Config | None, init: str, hyper: Hyper, batch_size: int,
           block_size: int, accum: int = 1, seed: int = 0, eval_every: int = 100, eval_batches: int = 8,
-          ckpt_every: int = 200, resume: bool = False, progress: bool = True, mesh: Any = None) -> dict[str, Any]:
+          ckpt_every: int = 200, resume: bool = False, progress: bool = True, mesh: Any = None,
+          remat: bool = False) -> dict[str, Any]:
     """Train and return the history {"loss": [...], "val": [[step, loss], ...]}. With a mesh
     (gpt2_jax.sharding.make_mesh) params and optimizer state are sharded and each step is data-
     and tensor-parallel; checkpoints are written shard by shard and restored into the same layout.
     With several processes (gpt2_jax.distributed) every one runs this with the same arguments, on
-    one shared file system; process 0 writes history.json and loss.png."""
+    one shared file system; process 0 writes history.json and loss.png. remat: recompute each block's
+    activations in the backward instead of keeping them (less memory, about a third more time)."""
     out_dir = Path(out)
     # Everything that can be wrong with the arguments is checked before anything is written.
     _check_writable(out_dir)
@@ -102,7 +104,7 @@ def train(data: str, out: str, *, config: GPT2Config | None, init: str, hyper: H
     _make_dir(out_dir)
     try:
         return _run(out_dir, tokens, key, params, config, hyper, batch_size, block_size, accum, eval_every,
-                    eval_batches, ckpt_every, resume, progress, mesh)  # fmt: skip
+                    eval_batches, ckpt_every, resume, progress, mesh, remat)  # fmt: skip
     except BaseException:
         if created and jax.process_index() == 0 and not any((out_dir / "checkpoints").glob("[0-9]*")):
             shutil.rmtree(out_dir, ignore_errors=True)  # nothing worth keeping (no checkpoint to resume from)
@@ -111,13 +113,13 @@ def train(data: str, out: str, *, config: GPT2Config | None, init: str, hyper: H
 
 def _run(out_dir: Path, tokens: TokenData, key: jax.Array, params: Params, config: GPT2Config, hyper: Hyper,
          batch_size: int, block_size: int, accum: int, eval_every: int, eval_batches: int, ckpt_every: int,
-         resume: bool, progress: bool, mesh: Any) -> dict[str, Any]:
+         resume: bool, progress: bool, mesh: Any, remat: bool) -> dict[str, Any]:
     import orbax.checkpoint as ocp
 
     if mesh is not None:
         params = shard_params(params, config, mesh)  # AdamW's moments inherit this layout
     optimizer = make_optimizer(hyper)
-    step_fn = make_train_step(config, optimizer)
+    step_fn = make_train_step(config, optimizer, remat=remat)
     state = init_state(params, optimizer)
     if mesh is not None:
         state = onto_mesh(state, mesh)  # counters too: a resumed state must come back on the mesh
@@ -134,15 +136,23 @@ def _run(out_dir: Path, tokens: TokenData, key: jax.Array, params: Params, confi
     data_key, drop_key, eval_key = (jax.random.fold_in(key, i) for i in (1, 2, 3))
     val_batches = np.stack([tokens.batch("val", jax.random.fold_in(eval_key, i), batch_size, block_size)
                             for i in range(eval_batches)])  # fixed: every eval scores the same windows
+
+    def batch_of(s: int) -> np.ndarray:  # [accum, B, T+1]: step s's micro-batches
+        return np.stack([tokens.batch("train", jax.random.fold_in(jax.random.fold_in(data_key, s), a), batch_size,
+                                      block_size) for a in range(accum)])  # fmt: skip
+
     bar = _progress(int(state.step), hyper.steps, progress)
     rate = RecentRate()
-    for s in range(int(state.step), hyper.steps):
-        t0 = time.perf_counter()
-        batch = np.stack([tokens.batch("train", jax.random.fold_in(jax.random.fold_in(data_key, s), a), batch_size,
-                                       block_size) for a in range(accum)])  # fmt: skip
-        state, metrics = step_fn(state, batch, jax.random.fold_in(drop_key, s))
-        history["loss"].append(float(metrics["loss"]))  # waits for the step: the time below is the step's
-        rate.add(time.perf_counter() - t0, batch.size - batch.shape[0] * batch.shape[1])
+    start = int(state.step)
+    batch = batch_of(start) if start < hyper.steps else None
+    t0 = time.perf_counter()
+    for s in range(start, hyper.steps):
+        state, metrics = step_fn(state, batch, jax.random.fold_in(drop_key, s))  # returns before the step ends
+        n_tokens = batch.size - batch.shape[0] * batch.shape[1]
+        batch = batch_of(s + 1) if s + 1 < hyper.steps else None  # the host's work overlaps the step's
+        history["loss"].append(float(metrics["loss"]))  # waits for the step
+        t1 = time.perf_counter()
+        rate.add(t1 - t0, n_tokens)  # from the end of the previous step (or its eval/checkpoint) to this one's
         done = s + 1
         if done % eval_every == 0 or done == hyper.steps:
             history["val"].append([done, eval_loss(state.params, val_batches, config)])
@@ -153,6 +163,7 @@ def _run(out_dir: Path, tokens: TokenData, key: jax.Array, params: Params, confi
         bar.update(1)
         bar.set_postfix(loss=f"{history['loss'][-1]:.3f}", val=f"{history['val'][-1][1]:.3f}" if history["val"] else "-",
                         tok_s=f"{rate.rate():.0f}", first_step=f"{rate.first_s:.1f}s")  # fmt: skip
+        t0 = time.perf_counter() if done % eval_every == 0 or done % ckpt_every == 0 else t1  # evals are not steps
     history["first_step_s"], history["tokens_per_s"] = rate.first_s, rate.rate()
     bar.close()
     checkpoint.save(out_dir / "model", state.params, config, force=True)

@@ -12,6 +12,8 @@ import gpt2_jax
 from gpt2_jax.cli import main
 from gpt2_jax.data import DataError, TokenData, prepare
 from gpt2_jax.errors import ConfigError, GPT2JaxError
+from gpt2_jax.layers import attend, attend_causal, causal_mask, dropout
+from gpt2_jax.loss import head_loss
 from gpt2_jax.params import from_tree
 from gpt2_jax.sharding import make_mesh
 from gpt2_jax.train import Hyper, decay_mask, init_state, loss_fn, make_optimizer, make_train_step
@@ -37,11 +39,19 @@ def torch_grads(model, tokens):
     return float(loss.detach()), {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
 
 
-def test_loss_and_every_gradient_match_transformers(hf_and_ours):
+@pytest.mark.parametrize("path", ["eval", "train", "train-remat"])
+def test_loss_and_every_gradient_match_transformers(hf_and_ours, path):
+    """eval: loss_fn's inference attention; train: the train step's (attend_causal, unrolled layers,
+    dropout rates 0 so that PyTorch's eval-mode model is the reference); train-remat: recomputed."""
     model, params, config = hf_and_ours
     tokens = np.random.default_rng(0).integers(0, 101, (3, 21)).astype(np.int32)
     ref_loss, ref = torch_grads(model, tokens)
-    loss, grads = jax.value_and_grad(loss_fn)(params, jnp.asarray(tokens), config)
+    if path == "eval":
+        loss, grads = jax.value_and_grad(loss_fn)(params, jnp.asarray(tokens), config)
+    else:
+        config = config.replace(embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0)
+        loss, grads = jax.value_and_grad(loss_fn)(params, jnp.asarray(tokens), config, key=jax.random.key(0),
+                                                  train=True, remat=path == "train-remat")  # fmt: skip
     assert abs(float(loss) - ref_loss) / ref_loss <= 1e-5
     assert rel_err(grads["wte"], ref["transformer.wte.weight"]) <= 1e-4  # embedding + unembedding: tied
     assert rel_err(grads["wpe"], ref["transformer.wpe.weight"]) <= 1e-4
@@ -59,6 +69,54 @@ def test_loss_and_every_gradient_match_transformers(hf_and_ours):
         assert rel_err(ours, g) <= 1e-4, name
         checked += 1
     assert checked == 4 + config.n_layer * 12
+
+
+@pytest.mark.parametrize("B, T", [(3, 100), (130, 2)])  # 3 chunks, the last padded; 1 position per chunk
+def test_fused_head_matches_numpy(B, T):
+    """head_loss (chunked, its own derivative) against the textbook in float64: mean(logsumexp - picked),
+    d/dh = (softmax - onehot) @ wte / N, d/dwte = (softmax - onehot).T @ h / N."""
+    rng = np.random.default_rng(7)
+    h, wte = rng.normal(size=(B, T, 48)), 0.3 * rng.normal(size=(101, 48))
+    targets = rng.integers(0, 101, (B, T))
+    logits = h.reshape(-1, 48) @ wte.T
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    n = B * T
+    loss = -np.log(p[np.arange(n), targets.reshape(-1)]).mean()
+    d = p.copy()
+    d[np.arange(n), targets.reshape(-1)] -= 1.0
+    d /= n
+    ours, (dh, dwte) = jax.value_and_grad(head_loss, argnums=(0, 1))(
+        jnp.asarray(h, jnp.float32), jnp.asarray(wte, jnp.float32), jnp.asarray(targets, jnp.int32))
+    assert abs(float(ours) - loss) / loss <= 1e-6
+    assert rel_err(dh, (d @ wte).reshape(B, T, 48)) <= 1e-5
+    assert rel_err(dwte, d.T @ h.reshape(-1, 48)) <= 1e-5
+    assert float(jax.grad(lambda h: 3.0 * head_loss(h, jnp.asarray(wte, jnp.float32), jnp.asarray(targets)))(
+        jnp.asarray(h, jnp.float32))[0, 0, 0]) == pytest.approx(3.0 * float(dh[0, 0, 0]), rel=1e-6)  # chain rule
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.5])
+def test_dropout_rate_and_scale(rate):
+    """A million decisions: the dropped share is the rate (to 0.002, over 6 standard deviations), the
+    kept values are scaled so that the mean stays 1, and the key alone decides the mask."""
+    x = jnp.ones((1000, 1000))
+    y = np.asarray(dropout(x, rate, jax.random.key(3)))
+    assert abs((y == 0).mean() - rate) < 0.002
+    assert abs(y.mean() - 1.0) < 0.005
+    kept = np.unique(y[y != 0])
+    assert kept.size == 1 and kept[0] == pytest.approx(1.0 / (1.0 - rate), rel=1e-4)
+    np.testing.assert_array_equal(y, np.asarray(dropout(x, rate, jax.random.key(3))))
+    other = np.asarray(dropout(x, rate, jax.random.key(4)))  # another key: an independent mask
+    assert abs((other != y).mean() - 2 * rate * (1 - rate)) < 0.003
+
+
+def test_training_attention_equals_inference_attention():
+    """attend_causal (the train step's) and attend (inference's block-wise sums) compute the same
+    attention, to float32 rounding."""
+    q, k, v = jax.random.normal(jax.random.key(0), (3, 2, 4, 37, 16))
+    fast = attend_causal(q, k, v, jnp.float32(0.25))
+    blocked = attend(q, k, jnp.swapaxes(v, -1, -2), causal_mask(37), jnp.float32(0.25))
+    assert rel_err(fast, blocked) <= 1e-6 and rel_err(fast, blocked) > 0 or np.array_equal(fast, blocked)
 
 
 def test_tied_wte_gradient_has_both_contributions(hf_and_ours):
