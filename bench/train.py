@@ -58,7 +58,7 @@ def peak_memory(library: str, shape: str, remat: bool = False) -> float:
     (a user needs it too). In a process of its own because the allocators keep what they freed."""
     cmd = [sys.executable, __file__, "--memory-child", library, shape] + (["--remat"] if remat else [])
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    return float(out.strip().splitlines()[-1])
+    return float(next(line.split()[1] for line in out.splitlines() if line.startswith("peak_bytes ")))
 
 
 def memory_child(library: str, shape: str, remat: bool) -> None:
@@ -73,7 +73,7 @@ def memory_child(library: str, shape: str, remat: bool) -> None:
     before = status_kib("VmRSS")
     for _ in range(3):
         step()
-    print((status_kib("VmHWM") - before) * 1024.0)
+    print("peak_bytes", (status_kib("VmHWM") - before) * 1024.0)
 
 
 def jax_side(shape: dict, seed: int = 0, remat: bool = False):
