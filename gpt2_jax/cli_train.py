@@ -76,14 +76,12 @@ def run_train(args: argparse.Namespace) -> int:
     join(args)
     mesh = parse_mesh(args.mesh) if args.mesh else None
     config = parse_config(args.config) if args.config else None
-    if config is not None and args.dropout is not None:
-        config = config.replace(embd_pdrop=args.dropout, attn_pdrop=args.dropout, resid_pdrop=args.dropout)
     hyper = Hyper(lr=args.lr, min_lr=args.min_lr, warmup=args.warmup, steps=args.steps,
                   weight_decay=args.weight_decay, clip=args.clip)  # fmt: skip
     history = train(args.data, args.out, config=config, init=args.init, hyper=hyper, batch_size=args.batch_size,
                     block_size=args.block_size, accum=args.accum, seed=args.seed, eval_every=args.eval_every,
                     eval_batches=args.eval_batches, ckpt_every=args.ckpt_every, resume=args.resume,
-                    progress=not args.no_progress, mesh=mesh, remat=args.remat)  # fmt: skip
+                    progress=not args.no_progress, mesh=mesh, remat=args.remat, dropout=args.dropout)  # fmt: skip
     val = history["val"][-1][1] if history["val"] else float("nan")
     if is_main():
         print(f"gpt2-jax: final train loss {history['loss'][-1]:.4f}, val loss {val:.4f}, unigram baseline "

@@ -48,6 +48,10 @@ class GPT2Config:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"GPT2Config.{name} must be a positive int, got {value!r}")
+        for name in ("embd_pdrop", "attn_pdrop", "resid_pdrop"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0.0 <= value < 1.0:
+                raise ConfigError(f"GPT2Config.{name} is a dropout rate, in [0, 1); got {value!r}")
         if self.n_embd % self.n_head:
             raise ConfigError(
                 f"GPT2Config: n_embd={self.n_embd} is not divisible by n_head={self.n_head}"

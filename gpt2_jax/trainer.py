@@ -84,19 +84,22 @@ def _manager(out: Path):
 def train(data: str, out: str, *, config: GPT2Config | None, init: str, hyper: Hyper, batch_size: int,
           block_size: int, accum: int = 1, seed: int = 0, eval_every: int = 100, eval_batches: int = 8,
           ckpt_every: int = 200, resume: bool = False, progress: bool = True, mesh: Any = None,
-          remat: bool = False) -> dict[str, Any]:
+          remat: bool = False, dropout: float | None = None) -> dict[str, Any]:
     """Train and return the history {"loss": [...], "val": [[step, loss], ...]}. With a mesh
     (gpt2_jax.sharding.make_mesh) params and optimizer state are sharded and each step is data-
     and tensor-parallel; checkpoints are written shard by shard and restored into the same layout.
     With several processes (gpt2_jax.distributed) every one runs this with the same arguments, on
     one shared file system; process 0 writes history.json and loss.png. remat: recompute each block's
-    activations in the backward instead of keeping them (less memory, about a third more time)."""
+    activations in the backward instead of keeping them (less memory, more time). dropout: set the
+    embd/attn/resid rates of the config (--config's or, fine-tuning, the checkpoint's)."""
     out_dir = Path(out)
     # Everything that can be wrong with the arguments is checked before anything is written.
     _check_writable(out_dir)
     tokens = TokenData(data)
     key = jax.random.key(seed)
     params, config = initial_params(init, config, jax.random.fold_in(key, 0))
+    if dropout is not None:  # after the --config / checkpoint comparison, which it must not fail
+        config = config.replace(embd_pdrop=dropout, attn_pdrop=dropout, resid_pdrop=dropout)
     if block_size > config.n_positions:
         raise ConfigError(f"--block-size {block_size} exceeds the model's context n_positions={config.n_positions}")
     tokens.check_block_size(block_size)

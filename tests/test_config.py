@@ -85,3 +85,7 @@ def test_invalid_config_values():
         GPT2Config(n_layer=0)
     with pytest.raises(ConfigError, match="unknown GPT2Config fields"):
         GPT2Config.from_dict({"n_layers": 3})
+    for bad in (1.0, -0.1, "0.1"):
+        with pytest.raises(ConfigError, match=r"attn_pdrop is a dropout rate, in \[0, 1\); got"):
+            GPT2Config(attn_pdrop=bad)
+    assert GPT2Config(embd_pdrop=0, attn_pdrop=0.0, resid_pdrop=0.999).resid_pdrop == 0.999
