@@ -10,7 +10,7 @@ import numpy as np
 from gpt2_jax.cache import CacheView, KVCache, visible
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import InputError
-from gpt2_jax.layers import F32, at, block, dropout, layer_norm, matmul, within
+from gpt2_jax.layers import F32, block, dropout, layer_norm, matmul, within
 from gpt2_jax.params import Params
 from gpt2_jax.scan import layer_at, n_layers, scan_layers
 from gpt2_jax.sharding import constrain, mesh_of, on_mesh
