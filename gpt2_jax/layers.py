@@ -16,7 +16,6 @@ record or edit. Without one (None) the functions trace exactly the ops they did 
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 
