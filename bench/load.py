@@ -21,23 +21,10 @@ import sys
 import time
 from pathlib import Path
 
+from timing import peak_rss, rss_now  # bench/timing.py, beside this script
+
 SIZES = {"gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280), "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600)}
 TARGETS = dict(load_s=8.0, convert_s=20.0, rss_ratio=1.25, peer_ratio=1.5)  # gpt2-xl, warm cache
-
-
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        return int(f.read().split(key + ":")[1].split()[0]) * 1024  # kB
-
-
-def rss_now() -> int:
-    return _status("VmRSS")
-
-
-def peak_rss() -> int:
-    """This process's own peak RSS (VmHWM). getrusage's ru_maxrss would be the same but for one
-    thing: a child's starts at its parent's RSS when forked, hiding a peak smaller than that."""
-    return _status("VmHWM")
 
 
 def child(kind: str, path: str, out: str | None) -> dict:

@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 from machine import describe
+from timing import best_of, peak_rss, rss_now, timed  # bench/timing.py, beside this script
 
 SHAPES = {
     "4x128": dict(n_layer=4, n_head=4, n_embd=128, n_positions=256, batch=8, block=128),
@@ -43,13 +44,6 @@ SHAPES = {
     "2x768": dict(n_layer=2, n_head=12, n_embd=768, n_positions=1024, batch=8, block=256),
 }
 DROPOUT = 0.1
-
-
-def status_kib(field: str) -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    return 0
 
 
 def peak_memory(library: str, shape: str, remat: bool = False) -> float:
@@ -70,10 +64,10 @@ def memory_child(library: str, shape: str, remat: bool) -> None:
 
         torch.set_num_threads(len(os.sched_getaffinity(0)))
         step = torch_side(SHAPES[shape], torch, transformers)
-    before = status_kib("VmRSS")
+    before = rss_now()
     for _ in range(3):
         step()
-    print("peak_bytes", (status_kib("VmHWM") - before) * 1024.0)
+    print("peak_bytes", float(peak_rss() - before))
 
 
 def jax_side(shape: dict, seed: int = 0, remat: bool = False):
@@ -128,12 +122,6 @@ def torch_side(shape: dict, torch, transformers, seed: int = 0):
         return float(loss.detach())
 
     return step
-
-
-def timed(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
 
 
 def trainer_rate(shape: dict, steps: int) -> tuple[float, float]:
@@ -207,8 +195,7 @@ def main() -> None:
         plain, _ = jax_side(shape)
         remat, _ = jax_side(shape, remat=True)
         plain(), remat(), plain(), remat()
-        t_plain = min(timed(plain) for _ in range(args.repeats))
-        t_remat = min(timed(remat) for _ in range(args.repeats))
+        t_plain, t_remat = best_of(plain, args.repeats), best_of(remat, args.repeats)
         print(f"6x384 with --remat: {shape['batch'] * shape['block'] / t_remat:.0f} tok/s ({t_remat / t_plain:.2f}x "
               f"the step's time), peak memory +{peak_memory('jax', '6x384', remat=True) / 2**20:.0f} MiB", flush=True)
         del plain, remat
