@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from gpt2_jax.layers import F32
 
+
 def head_rows(D: int) -> int:
     """Tokens per chunk of the loss head: about as many as the model is wide (a power of 2 from 128 to
     1024). Each chunk's three matmuls contract over D, V and the chunk's rows, and XLA's CPU matmul
@@ -99,8 +100,7 @@ def head_loss(h: jax.Array, wte: jax.Array, targets: jax.Array) -> jax.Array:
 
 
 def _head_fwd(h, wte, targets):
-    loss, grads = _head(h, wte, targets, grads=True)
-    return loss, grads
+    return _head(h, wte, targets, grads=True)  # (loss, the gradients the backward scales)
 
 
 def _head_bwd(grads, g):

@@ -157,16 +157,17 @@ def _run(out_dir: Path, tokens: TokenData, key: jax.Array, params: Params, confi
         t1 = time.perf_counter()
         rate.add(t1 - t0, n_tokens)  # from the end of the previous step (or its eval/checkpoint) to this one's
         done = s + 1
-        if done % eval_every == 0 or done == hyper.steps:
+        evaluate, save = (done % every == 0 or done == hyper.steps for every in (eval_every, ckpt_every))
+        if evaluate:
             history["val"].append([done, eval_loss(state.params, val_batches, config)])
-        if done % ckpt_every == 0 or done == hyper.steps:
+        if save:
             manager.save(done, args=ocp.args.StandardSave(state))  # with several processes: each its shards
             manager.wait_until_finished()
             _write_json(out_dir / "history.json", history)
         bar.update(1)
         bar.set_postfix(loss=f"{history['loss'][-1]:.3f}", val=f"{history['val'][-1][1]:.3f}" if history["val"] else "-",
                         tok_s=f"{rate.rate():.0f}", first_step=f"{rate.first_s:.1f}s")  # fmt: skip
-        t0 = time.perf_counter() if done % eval_every == 0 or done % ckpt_every == 0 else t1  # evals are not steps
+        t0 = time.perf_counter() if evaluate or save else t1  # an eval or a checkpoint is not the next step's time
     history["first_step_s"], history["tokens_per_s"] = rate.first_s, rate.rate()
     bar.close()
     checkpoint.save(out_dir / "model", state.params, config, force=True)
