@@ -193,12 +193,19 @@ def test_new_settings_do_not_recompile(target):
     ("lookup", 3, "draft must be 'prompt_lookup' or (draft_params, draft_config)"),
     ("prompt_lookup", 0, "num_speculative_tokens must be an int in [1, 16], got 0"),
     ("prompt_lookup", 17, "got 17"),
+    ("tiny", 8, "num_speculative_tokens=8 is too large for the context: a round feeds k + 1 = 9 tokens in one "
+                "forward, more than the model's n_positions=8"),
     ("vocab", 3, "vocabulary (50 ids, 50 real) differs from the target's (101, 101)"),
     ("short", 3, "context n_positions=16 is shorter than the prompt + max_new_tokens = 42"),
     ("params", 3, "draft params do not fit the draft config: wte must be [101, 48]"),
 ])  # fmt: skip
 def test_bad_draft_arguments_name_the_problem(target, draft, k, message):
     _, params, config = target
+    if draft == "tiny":  # a target whose whole context is 8 positions
+        config, params, draft = config.replace(n_positions=8), dict(params, wpe=params["wpe"][:8]), "prompt_lookup"
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            generate(params, config, [[1, 2]], jax.random.key(0), max_new_tokens=4, draft=draft, num_speculative_tokens=k)
+        return
     other = {"vocab": config.replace(vocab_size=50), "short": config.replace(n_positions=16)}
     if draft in other:
         draft = (init_params(jax.random.key(1), other[draft]), other[draft])

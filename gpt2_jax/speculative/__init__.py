@@ -38,6 +38,9 @@ def check_draft(draft: Any, config: GPT2Config, k: Any, needed: int) -> tuple[Pa
     for prompt lookup. needed: prompt + new tokens the draft must be able to position."""
     if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE:
         raise ConfigError(f"num_speculative_tokens must be an int in [1, {MAX_SPECULATIVE}], got {k!r}")
+    if k + 1 > config.n_positions:
+        raise ConfigError(f"num_speculative_tokens={k} is too large for the context: a round feeds k + 1 = {k + 1} "
+                          f"tokens in one forward, more than the model's n_positions={config.n_positions}")  # fmt: skip
     if isinstance(draft, str):
         if draft != PROMPT_LOOKUP:
             raise ConfigError(f"draft must be {PROMPT_LOOKUP!r} or (draft_params, draft_config), got {draft!r}")
