@@ -95,6 +95,27 @@ def test_cast_while_streaming_rounds_as_torch_does(tmp_path, fmt):
     np.testing.assert_array_equal(np.asarray(params["h"][1]["mlp"]["c_fc"]["weight"], np.float32).T, torch_bf16)  # [out, in]
 
 
+def test_a_checkpoint_reads_each_stored_leaf_once(tmp_path, monkeypatch):
+    """Checkpoints store each block tensor stacked [L, ...] as one chunk; per-layer params must come from
+    one read of it (reading it layer by layer decoded the whole chunk L times: 236 s for gpt2-xl), and
+    equal the stacked restore's slices bit for bit."""
+    from gpt2_jax import checkpoint
+
+    model = make_hf_model(seed=4, n_layer=3, n_head=2, n_embd=32, vocab_size=50, n_positions=16)
+    model.save_pretrained(tmp_path / "hf")
+    assert convert_main([str(tmp_path / "hf"), str(tmp_path / "jax")]) == 0
+    reads = []
+    real = checkpoint._read_shard
+    monkeypatch.setattr(checkpoint, "_read_shard", lambda store, *a: reads.append(store.shape) or real(store, *a))
+    params, config = gpt2_jax.load(tmp_path / "jax")
+    stored = jax.tree.leaves(gpt2_jax.stack_layers(params))
+    assert len(reads) == len(stored), f"{len(reads)} reads for {len(stored)} stored leaves"
+    stacked, _ = checkpoint.restore(tmp_path / "jax", stacked=True)
+    for i, layer in enumerate(params["h"]):
+        for a, b in zip(jax.tree.leaves(layer), jax.tree.leaves(jax.tree.map(lambda x: x[i], stacked["h"]))):
+            np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
+
+
 def test_truncated_orbax_data_is_a_clear_error_and_convert_leaves_nothing(tmp_path):
     model = make_hf_model(seed=6, n_layer=2, n_head=2, n_embd=32, vocab_size=50, n_positions=16)
     model.save_pretrained(tmp_path / "hf")
