@@ -18,7 +18,7 @@ from jax.sharding import Sharding, SingleDeviceSharding
 
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.params import _LINEAR_WEIGHTS, Params, _set, check_flat, layer_shapes, tree_shape
-from gpt2_jax.tensors import Index, Lazy, transposed
+from gpt2_jax.tensors import Index, Lazy, prefetching, transposed
 
 CHUNK_BYTES = 4 << 20  # per copy: small enough to stay in the allocator's warm memory
 
@@ -121,7 +121,15 @@ def build_params(flat: Mapping[str, Any], config: GPT2Config, source: str, dtype
     total = sum(int(np.prod(sh.shard_shape(shapes[k]))) * np.dtype(dtype or leaves[k][1][0].dtype).itemsize
                 * len(sh.addressable_devices) for k, sh in shardings.items())  # fmt: skip
     params: Params = {} if stacked else {"h": [{} for _ in range(config.n_layer)]}
-    with progress_bar(total, progress, f"loading {source}") as bar:
+    specs = []  # every host buffer the loop below asks for, in its order: allocated ahead on a thread
+    for key, (on_l, sources) in leaves.items():
+        dt, sh = np.dtype(dtype or sources[0].dtype), shardings[key]
+        if on_l and not stacked:
+            sh, shape = _drop_layer_axis(sh), shapes[key][1:]
+            specs += [(sh.shard_shape(shape), dt)] * (len(sh.addressable_devices) * config.n_layer)
+        else:
+            specs += [(sh.shard_shape(shapes[key]), dt)] * len(sh.addressable_devices)
+    with progress_bar(total, progress, f"loading {source}") as bar, prefetching(specs, max(total // 8, 64 << 20)):
         for key, (on_l, sources) in leaves.items():
             leaf_dtype = np.dtype(dtype or sources[0].dtype)
             if on_l and not stacked:  # one array per layer, sharded as the stacked leaf without its L axis
