@@ -109,8 +109,7 @@ def machine(threads: int) -> str:
     import jax
     import jax.numpy as jnp
 
-    sys.path.insert(0, str(Path(__file__).parent))  # bench/timing.py, beside this script
-    from timing import best_of
+    from timing import best_of  # bench/timing.py, beside this script
 
     info = Path("/proc/cpuinfo").read_text()
     model = next((l.split(":", 1)[1].strip() for l in info.splitlines() if l.startswith("model name")), "?")
