@@ -201,15 +201,14 @@ def test_new_settings_do_not_recompile(target):
 ])  # fmt: skip
 def test_bad_draft_arguments_name_the_problem(target, draft, k, message):
     _, params, config = target
+    prompts, n = PROMPTS, N
     if draft == "tiny":  # a target whose whole context is 8 positions
         config, params, draft = config.replace(n_positions=8), dict(params, wpe=params["wpe"][:8]), "prompt_lookup"
-        with pytest.raises(ConfigError, match=re.escape(message)):
-            generate(params, config, [[1, 2]], jax.random.key(0), max_new_tokens=4, draft=draft, num_speculative_tokens=k)
-        return
+        prompts, n = [[1, 2]], 4
     other = {"vocab": config.replace(vocab_size=50), "short": config.replace(n_positions=16)}
     if draft in other:
         draft = (init_params(jax.random.key(1), other[draft]), other[draft])
     elif draft == "params":
         draft = (init_params(jax.random.key(1), config.replace(n_embd=24, n_head=2)), config)
     with pytest.raises(ConfigError, match=re.escape(message)):
-        generate(params, config, PROMPTS, jax.random.key(0), max_new_tokens=N, draft=draft, num_speculative_tokens=k)
+        generate(params, config, prompts, jax.random.key(0), max_new_tokens=n, draft=draft, num_speculative_tokens=k)
