@@ -129,7 +129,7 @@ def build_params(flat: Mapping[str, Any], config: GPT2Config, source: str, dtype
             specs += [(sh.shard_shape(shape), dt)] * (len(sh.addressable_devices) * config.n_layer)
         else:
             specs += [(sh.shard_shape(shapes[key]), dt)] * len(sh.addressable_devices)
-    with progress_bar(total, progress, f"loading {source}") as bar, prefetching(specs, max(total // 8, 64 << 20)):
+    with progress_bar(total, progress, f"loading {source}") as bar, prefetching(specs, max(total // 16, 16 << 20)):
         for key, (on_l, sources) in leaves.items():
             leaf_dtype = np.dtype(dtype or sources[0].dtype)
             if on_l and not stacked:  # one array per layer, sharded as the stacked leaf without its L axis
