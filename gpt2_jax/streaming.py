@@ -118,30 +118,23 @@ def build_params(flat: Mapping[str, Any], config: GPT2Config, source: str, dtype
     leaves = leaf_sources(flat, config)
     shapes = {k: ((config.n_layer,) if st else ()) + src[0].shape for k, (st, src) in leaves.items()}
     shardings = _shardings(leaves, shapes, config, mesh)
-    total = sum(int(np.prod(sh.shard_shape(shapes[k]))) * np.dtype(dtype or leaves[k][1][0].dtype).itemsize
-                * len(sh.addressable_devices) for k, sh in shardings.items())  # fmt: skip
-    params: Params = {} if stacked else {"h": [{} for _ in range(config.n_layer)]}
-    specs = []  # every host buffer the loop below asks for, in its order: allocated ahead on a thread
+    plan = []  # one entry per array built, in order: (layer or None, name, shape, sharding, dtype, stacked?, sources)
     for key, (on_l, sources) in leaves.items():
-        dt, sh = np.dtype(dtype or sources[0].dtype), shardings[key]
-        if on_l and not stacked:
-            sh, shape = _drop_layer_axis(sh), shapes[key][1:]
-            specs += [(sh.shard_shape(shape), dt)] * (len(sh.addressable_devices) * config.n_layer)
+        dt = np.dtype(dtype or sources[0].dtype)
+        if on_l and not stacked:  # one array per layer, sharded as the stacked leaf without its L axis
+            sh = _drop_layer_axis(shardings[key])
+            plan += [(i, key[2:], shapes[key][1:], sh, dt, False, [src]) for i, src in enumerate(sources)]
         else:
-            specs += [(sh.shard_shape(shapes[key]), dt)] * len(sh.addressable_devices)
+            plan.append((None, key, shapes[key], shardings[key], dt, on_l, sources))
+    # every host buffer the loop asks for, in its order (one per device shard): allocated ahead on a thread
+    specs = [(sh.shard_shape(shape), dt) for _, _, shape, sh, dt, _, _ in plan for _ in sh.addressable_devices]
+    total = sum(int(np.prod(shape)) * dt.itemsize for shape, dt in specs)
+    params: Params = {} if stacked else {"h": [{} for _ in range(config.n_layer)]}
     with progress_bar(total, progress, f"loading {source}") as bar, prefetching(specs, max(total // 16, 16 << 20)):
-        for key, (on_l, sources) in leaves.items():
-            leaf_dtype = np.dtype(dtype or sources[0].dtype)
-            if on_l and not stacked:  # one array per layer, sharded as the stacked leaf without its L axis
-                sharding, shape = _drop_layer_axis(shardings[key]), shapes[key][1:]
-                for i, src in enumerate(sources):
-                    _set(params["h"][i], key[2:], jax.make_array_from_callback(
-                        shape, sharding, lambda index, s=src, d=leaf_dtype, sh=shape: fill_shard(sh, d, False, [s],
-                                                                                                  index, bar)))
-                continue
-            _set(params, key, jax.make_array_from_callback(
-                shapes[key], shardings[key],
-                lambda index, k=key, s=sources, st=on_l, d=leaf_dtype: fill_shard(shapes[k], d, st, s, index, bar)))
+        for layer, name, shape, sh, dt, on_l, sources in plan:
+            array = jax.make_array_from_callback(
+                shape, sh, lambda index, t=shape, d=dt, st=on_l, s=sources: fill_shard(t, d, st, s, index, bar))
+            _set(params if layer is None else params["h"][layer], name, array)
     return params
 
 
