@@ -109,17 +109,12 @@ def machine(threads: int) -> str:
     import jax
     import jax.numpy as jnp
 
-    from timing import best_of  # bench/timing.py, beside this script
+    from machine import cpu, read_bandwidth  # bench/machine.py, beside this script
 
-    info = Path("/proc/cpuinfo").read_text()
-    model = next((l.split(":", 1)[1].strip() for l in info.splitlines() if l.startswith("model name")), "?")
-    flags = sorted({f for f in info.split() if f.startswith(("avx512", "amx"))})
-    x = jnp.ones((128, 1024, 1024), jnp.float32)  # 512 MiB
-    total = jax.jit(lambda a: a.sum())
-    total(x).block_until_ready()
-    gbs = x.nbytes / best_of(lambda: total(x).block_until_ready(), 5) / 1e9
-    return (f"{model}, {os.cpu_count()} threads ({threads} used by torch), flags: {' '.join(flags) or 'no AVX-512/AMX'}, "
-            f"read bandwidth {gbs:.1f} GB/s (jnp.sum over 512 MiB)")  # fmt: skip
+    info = cpu()
+    flags = " ".join(info["avx512"] + info["amx"]) or "no AVX-512/AMX"
+    return (f"{info['model']}, {info['cores']} cores ({threads} threads used by torch), flags: {flags}, "
+            f"read bandwidth {read_bandwidth(jax, jnp) / 1e9:.1f} GB/s (jnp.sum over 512 MiB)")  # fmt: skip
 
 
 def warm(path: Path) -> None:
