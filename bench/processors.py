@@ -45,7 +45,10 @@ import statistics
 import sys
 import time
 
-PROMPT, NEW, LOOP_SHORT = 32, 128, 80  # loop rows: (t(NEW) - t(LOOP_SHORT)) / (NEW - LOOP_SHORT), one bucket
+# loop rows: (t(NEW) - t(LOOP_SHORT)) / (NEW - LOOP_SHORT), one bucket. Both are whole DECODE_CHUNKs (16
+# steps): with stop strings the loop runs in chunks, so a length inside a chunk costs the whole chunk, and
+# two lengths in the same chunk (20 and 32 did) time the same work, leaving only noise, sometimes negative.
+PROMPT, NEW, LOOP_SHORT = 32, 128, 80
 PENALTY, CONSTRAINT = 1.10, 1.25  # the targets, x plain at the same B
 REF = {"step": "plain (T=1, top-k 0)", "loop": "plain, generate's loop"}  # each method's plain
 
@@ -93,7 +96,7 @@ def main() -> None:
     args.batch = args.batch or ([1] if args.smoke else [1, 8])
     global NEW, LOOP_SHORT
     if args.smoke:
-        args.rounds, args.loop_rounds, args.steps, NEW, LOOP_SHORT = 1, 1, 2, 32, 20
+        args.rounds, args.loop_rounds, args.steps, NEW, LOOP_SHORT = 1, 1, 2, 32, 16
         if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
             os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
@@ -105,9 +108,12 @@ def main() -> None:
     from constraints import CASES, build_report  # bench/constraints.py, beside this script
     from gpt2_jax import constraints as C
     from gpt2_jax.decode import decode_step, prefill
-    from gpt2_jax.generate import _prepare
+    from gpt2_jax.generate import DECODE_CHUNK, _prepare
     from gpt2_jax.params import param_bytes
     from machine import describe
+
+    if NEW % DECODE_CHUNK or LOOP_SHORT % DECODE_CHUNK:
+        raise SystemExit(f"loop lengths {LOOP_SHORT} and {NEW} must be whole chunks of {DECODE_CHUNK} steps")
 
     threads = len(os.sched_getaffinity(0))
     machine = describe(jax, jnp, threads)
