@@ -13,7 +13,7 @@ from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import CheckpointError, GPT2JaxError
 from gpt2_jax.files import atomic_dir
 from gpt2_jax.params import Params, _set, check_tree, dotted, stack_layers, unstack_layers
-from gpt2_jax.tensors import host_buffer
+from gpt2_jax.tensors import host_buffer, prefetching
 
 CONFIG_FILE = "gpt2_jax.json"
 PARAMS_DIR = "params"
@@ -98,12 +98,16 @@ def _read_leaves(stores: dict[str, Any], target: Any, progress: bool, source: st
     from gpt2_jax.streaming import _drop_layer_axis, progress_bar
 
     leaves = {dotted(p): t for p, t in jax.tree_util.tree_flatten_with_path(target)[0]}
-    total = sum(len(t.sharding.addressable_devices) * int(np.prod(t.sharding.shard_shape(t.shape))) * t.dtype.itemsize
-                for t in leaves.values())  # fmt: skip
+    order = sorted(leaves, key=lambda n: -int(np.prod(leaves[n].shape)))
+    # every host buffer the loop asks for (one per device shard of each stored leaf), in its order:
+    # allocated ahead on a thread (tensors.prefetching) while TensorStore fills the previous ones
+    specs = [(leaves[n].sharding.shard_shape(leaves[n].shape), np.dtype(leaves[n].dtype))
+             for n in order for _ in leaves[n].sharding.addressable_devices]  # fmt: skip
+    total = sum(int(np.prod(shape)) * dt.itemsize for shape, dt in specs)
     n_layer = next(t.shape[0] for name, t in leaves.items() if name.startswith("h."))
     params: Params = {} if stacked else {"h": [{} for _ in range(n_layer)]}
-    with progress_bar(total, progress, f"loading {source}") as bar:
-        for name in sorted(leaves, key=lambda n: -int(np.prod(leaves[n].shape))):
+    with progress_bar(total, progress, f"loading {source}") as bar, prefetching(specs, max(total // 16, 16 << 20)):
+        for name in order:
             t, d = leaves[name], np.dtype(leaves[name].dtype)
             if stacked or not name.startswith("h."):
                 _set(params, name, jax.make_array_from_callback(

@@ -145,7 +145,9 @@ def _allocate(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 
 def _populate(address: int, nbytes: int) -> bool:
     """madvise(MADV_POPULATE_WRITE) through ctypes, which releases the GIL (Python's mmap.mmap holds it
-    while MAP_POPULATE runs, so a prefetching thread would stall the copies). False if unsupported."""
+    while MAP_POPULATE runs, so a prefetching thread would stall the copies). False if unsupported.
+    First MADV_HUGEPAGE (a hint; ignored where transparent huge pages are off): 2 MiB pages populate
+    about 3.7x faster than 4 KiB ones here (11 against 3 GB/s), 512x fewer faults to zero and map."""
     global _MADVISE
     if _MADVISE is None:
         try:
@@ -154,11 +156,14 @@ def _populate(address: int, nbytes: int) -> bool:
             _MADVISE = libc.madvise
         except (OSError, AttributeError):
             _MADVISE = False
-    return bool(_MADVISE) and _MADVISE(address, nbytes, _MADV_POPULATE_WRITE) == 0
+    if not _MADVISE:
+        return False
+    _MADVISE(address, nbytes, _MADV_HUGEPAGE)
+    return _MADVISE(address, nbytes, _MADV_POPULATE_WRITE) == 0
 
 
 _MADVISE: Any = None
-_MADV_POPULATE_WRITE = 23  # linux/mman.h, since 5.14
+_MADV_HUGEPAGE, _MADV_POPULATE_WRITE = 14, 23  # linux/mman.h (POPULATE_WRITE since 5.14)
 
 
 class _Prefetch:
