@@ -5,7 +5,9 @@
 Builds once, under --cache, a random checkpoint per size: a HuggingFace directory (save_pretrained,
 safetensors) and a nanoGPT ckpt.pt of the same weights. Then measures, each in a fresh process
 (warm page cache: every file is read once before it is timed): convert (HF dir -> gpt2_jax dir);
-gpt2_jax.load of the HF dir, the converted dir and the ckpt.pt; generate (load + 4 tokens, for its
+gpt2_jax.load of the HF dir, the converted dir and the ckpt.pt; the converted dir's load followed by
+a sum over every weight (that load maps the files, so their pages are read on first use: this row
+is the one to set beside the peer's); generate (load + 4 tokens, for its
 peak memory); and, as the peer, transformers' from_pretrained plus a first forward pass (its lazy
 mmap pays for the reads there). Peak RSS is the process's VmHWM; the baseline is its RSS after
 its imports. Prints the machine, the weight bytes and every ratio against the targets.
@@ -30,6 +32,7 @@ TARGETS = dict(load_s=8.0, convert_s=20.0, rss_ratio=1.25, peer_ratio=1.5)  # gp
 def child(kind: str, path: str, out: str | None) -> dict:
     """One measurement, in this (fresh) process: seconds and peak RSS of `kind` on `path`."""
     import jax
+    import numpy as np
 
     import gpt2_jax
     from gpt2_jax.convert import convert
@@ -41,6 +44,9 @@ def child(kind: str, path: str, out: str | None) -> dict:
     t = time.perf_counter()
     if kind == "load":
         jax.block_until_ready(gpt2_jax.load(path)[0])
+    elif kind == "load+read":  # a load that maps the files reads them on first use: pay that here
+        params = jax.block_until_ready(gpt2_jax.load(path)[0])
+        sum(float(np.asarray(leaf).sum(dtype=np.float32)) for leaf in jax.tree.leaves(params))
     elif kind == "convert":
         convert(path, out, force=True)
     elif kind == "generate":
@@ -132,6 +138,7 @@ def measure(root: Path, threads: int, repeats: int) -> list[tuple[str, dict]]:
     rows = [("convert HF dir -> gpt2_jax", run_child("convert", hf, converted, threads, repeats))]
     warm(converted)
     for name, kind, path in [("load HF dir (safetensors)", "load", hf), ("load gpt2_jax dir (orbax)", "load", converted),
+                             ("load gpt2_jax dir + read every weight once", "load+read", converted),
                              ("load nanoGPT ckpt.pt", "load", nano), ("generate (load + 4 tokens)", "generate", hf),
                              ("peer: transformers from_pretrained + forward", "peer", hf)]:  # fmt: skip
         rows.append((name, run_child(kind, path, threads=threads, repeats=repeats)))

@@ -21,10 +21,12 @@ PARAMS_DIR = "params"
 
 def _checkpointer():
     """Orbax, uncompressed: zstd made saving gpt2-xl 6x slower and doubled its peak memory, to save
-    ~10% of fp32 bytes. Checkpoints written compressed (gpt2_jax 0.2) still restore."""
+    ~10% of fp32 bytes. And without OCDBT: each leaf is then a zarr array whose one chunk is a plain
+    file of its raw bytes, which restore() maps instead of reading (see _mapped). Checkpoints written
+    compressed or with OCDBT (gpt2_jax 0.2, the bundled Shakespeare model) still restore, by TensorStore."""
     import orbax.checkpoint as ocp
 
-    return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False))
+    return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False, use_ocdbt=False))
 
 
 def save(dst: str | Path, params: Params, config: GPT2Config, *, force: bool = False) -> Path:
@@ -75,6 +77,57 @@ def _stores(path: Path, stored: Any) -> dict[str, Any] | None:
         return stores
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def _mapped(path: Path, stored: Any, dtype: Any) -> dict[str, np.ndarray] | None:
+    """Every leaf's stored bytes memory-mapped copy-on-write, with no read and no copy, where the
+    checkpoint allows it: zarr v2 without OCDBT (what save() writes), each leaf one uncompressed C-order
+    chunk in one file of exactly its bytes, stored in the dtype asked for. None otherwise (then
+    TensorStore reads it, and reports whatever is wrong with it)."""
+    import ml_dtypes
+
+    try:
+        meta = json.loads((path / "_METADATA").read_text())
+        if meta.get("use_ocdbt", True) or meta.get("use_zarr3", False):
+            return None
+        out = {}
+        for name, leaf in ((dotted(p), t) for p, t in jax.tree_util.tree_flatten_with_path(stored)[0]):
+            zarray = json.loads((path / name / ".zarray").read_text())
+            kind = ml_dtypes.bfloat16 if zarray["dtype"] == "bfloat16" else zarray["dtype"]
+            shape, stored_dtype = tuple(zarray["shape"]), np.dtype(kind)
+            chunk = path / name / ".".join(["0"] * max(len(shape), 1))
+            if (zarray.get("compressor") or zarray.get("filters") or zarray.get("order") != "C"
+                    or tuple(zarray["chunks"]) != shape or shape != tuple(leaf.shape)
+                    or stored_dtype != np.dtype(dtype or leaf.dtype)
+                    or chunk.stat().st_size != int(np.prod(shape)) * stored_dtype.itemsize):  # fmt: skip
+                return None
+            out[name] = np.memmap(chunk, stored_dtype, mode="c", shape=shape)
+        return out
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _adopt_leaves(mapped: dict[str, np.ndarray], device: Any, progress: bool, source: str,
+                  stacked: bool) -> Params:  # fmt: skip
+    """Params whose buffers are the checkpoint's own file pages: on the CPU jax.device_put adopts a
+    64-byte-aligned host array instead of copying it (each file is page-aligned, and every GPT-2 layer
+    slice a multiple of 64 bytes), so loading takes no time and no memory of its own; the first pass
+    over the weights reads them from the page cache, as transformers' memory-mapped load does. The
+    mapping is private (copy-on-write): nothing written to a buffer reaches the file, and replacing the
+    checkpoint (save() renames a new directory into place) leaves the mapped files intact."""
+    from gpt2_jax.streaming import progress_bar
+
+    n_layer = next(a.shape[0] for name, a in mapped.items() if name.startswith("h."))
+    params: Params = {} if stacked else {"h": [{} for _ in range(n_layer)]}
+    with progress_bar(sum(a.nbytes for a in mapped.values()), progress, f"loading {source}") as bar:
+        for name, array in mapped.items():
+            if stacked or not name.startswith("h."):
+                _set(params, name, jax.device_put(array, device))
+            else:
+                for i in range(n_layer):
+                    _set(params["h"][i], name[2:], jax.device_put(array[i], device))
+            bar.update(array.nbytes)
+    return params
 
 
 def _read_shard(store: Any, dtype: np.dtype, index: tuple, bar: Any) -> np.ndarray:
@@ -148,6 +201,9 @@ def restore(path: str | Path, dtype: Any = None, mesh: Any = None, progress: boo
         shardings = jax.tree.map(lambda _: SingleDeviceSharding(jax.local_devices()[0]), stored)
     target = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, dtype or a.dtype, sharding=sh), stored, shardings)
     try:
+        mapped = None if mesh is not None else _mapped(path / PARAMS_DIR, stored, dtype)
+        if mapped is not None:
+            return _adopt_leaves(mapped, jax.local_devices()[0], progress, str(path), stacked), config
         stores = _stores(path / PARAMS_DIR, stored)
         if stores is not None:
             return _read_leaves(stores, target, progress, str(path), stacked), config

@@ -34,7 +34,9 @@ jnp.zeros(1).block_until_ready()  # the backend's own memory belongs to the base
 status = lambda key: int(open("/proc/self/status").read().split(key + ":")[1].split()[0]) * 1024
 base = status("VmRSS")
 if sys.argv[1] == "load":
-    jax.block_until_ready(gpt2_jax.load(sys.argv[2], dtype=sys.argv[3] if len(sys.argv) > 3 else None)[0])
+    params = gpt2_jax.load(sys.argv[2], dtype=sys.argv[3] if len(sys.argv) > 3 else None)[0]
+    # read every weight once: a gpt2_jax dir's buffers are its files' pages, only resident once read
+    jax.jit(lambda p: sum(jnp.sum(x.astype(jnp.float32)) for x in jax.tree.leaves(p)))(params).block_until_ready()
 else:
     convert(sys.argv[2], sys.argv[3])
 print(json.dumps(dict(base=base, peak=status("VmHWM"))))
@@ -95,10 +97,39 @@ def test_cast_while_streaming_rounds_as_torch_does(tmp_path, fmt):
     np.testing.assert_array_equal(np.asarray(params["h"][1]["mlp"]["c_fc"]["weight"], np.float32).T, torch_bf16)  # [out, in]
 
 
+def test_a_gpt2_jax_checkpoint_loads_as_its_own_file_pages(tmp_path):
+    """convert writes each leaf as one raw file; load maps them (private, copy-on-write) and the params'
+    buffers are those pages: no copy, no memory of its own. Equal to the HF load bit for bit, and a
+    jit that donates the params (as the train step does) leaves the files unchanged."""
+    model = make_hf_model(seed=11, n_layer=3, n_head=2, n_embd=32, vocab_size=50, n_positions=16)
+    model.save_pretrained(tmp_path / "hf")
+    assert convert_main([str(tmp_path / "hf"), str(tmp_path / "jax")]) == 0
+    files = {p: p.read_bytes() for p in (tmp_path / "jax" / "params").rglob("0*") if p.is_file()}
+    assert len(files) == 16, sorted(files)  # one data file per stored leaf: 12 block, wte, wpe, ln_f x2
+    params, config = gpt2_jax.load(tmp_path / "jax")
+    want, _ = gpt2_jax.load(tmp_path / "hf")
+    maps = []  # (start, end, permissions, file) of every file mapping of this process
+    for line in open("/proc/self/maps").read().splitlines():
+        span, perms, *rest = line.split()
+        if len(rest) == 4:
+            start, end = (int(x, 16) for x in span.split("-"))
+            maps.append((start, end, perms, rest[3]))
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
+        at = a.unsafe_buffer_pointer()
+        home = [(perms, f) for start, end, perms, f in maps if start <= at < end]
+        assert len(home) == 1 and home[0][1].startswith(str((tmp_path / "jax" / "params").resolve())), (a.shape, home)
+        assert home[0][0].endswith("p"), home  # private: writes never reach the file
+    doubled = jax.jit(lambda p: jax.tree.map(lambda x: x * 2 + 1, p), donate_argnums=0)(params)
+    np.testing.assert_array_equal(np.asarray(doubled["wte"]), np.asarray(want["wte"]) * 2 + 1)
+    assert all(p.read_bytes() == data for p, data in files.items())
+
+
 def test_a_checkpoint_reads_each_stored_leaf_once(tmp_path, monkeypatch):
-    """Checkpoints store each block tensor stacked [L, ...] as one chunk; per-layer params must come from
-    one read of it (reading it layer by layer decoded the whole chunk L times: 236 s for gpt2-xl), and
-    equal the stacked restore's slices bit for bit."""
+    """Where a checkpoint is read rather than mapped (here: cast to bfloat16 on the way), TensorStore
+    decodes each stored leaf once. Checkpoints store each block tensor stacked [L, ...] as one chunk;
+    per-layer params must come from one read of it (reading it layer by layer decoded the whole chunk
+    L times: 236 s for gpt2-xl), and equal the stacked restore's slices bit for bit."""
     from gpt2_jax import checkpoint
 
     model = make_hf_model(seed=4, n_layer=3, n_head=2, n_embd=32, vocab_size=50, n_positions=16)
@@ -107,13 +138,13 @@ def test_a_checkpoint_reads_each_stored_leaf_once(tmp_path, monkeypatch):
     reads = []
     real = checkpoint._read_shard
     monkeypatch.setattr(checkpoint, "_read_shard", lambda store, *a: reads.append(store.shape) or real(store, *a))
-    params, config = gpt2_jax.load(tmp_path / "jax")
+    params, config = gpt2_jax.load(tmp_path / "jax", dtype="bfloat16")
     stored = jax.tree.leaves(gpt2_jax.stack_layers(params))
     assert len(reads) == len(stored), f"{len(reads)} reads for {len(stored)} stored leaves"
-    stacked, _ = checkpoint.restore(tmp_path / "jax", stacked=True)
+    stacked, _ = checkpoint.restore(tmp_path / "jax", dtype=jnp.bfloat16, stacked=True)
     for i, layer in enumerate(params["h"]):
         for a, b in zip(jax.tree.leaves(layer), jax.tree.leaves(jax.tree.map(lambda x: x[i], stacked["h"]))):
-            np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
+            np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
 
 
 def test_truncated_orbax_data_is_a_clear_error_and_convert_leaves_nothing(tmp_path):
