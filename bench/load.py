@@ -4,13 +4,19 @@
 
 Builds once, under --cache, a random checkpoint per size: a HuggingFace directory (save_pretrained,
 safetensors) and a nanoGPT ckpt.pt of the same weights. Then measures, each in a fresh process
-(warm page cache: every file is read once before it is timed): convert (HF dir -> gpt2_jax dir);
-gpt2_jax.load of the HF dir, the converted dir and the ckpt.pt; the converted dir's load followed by
-a sum over every weight (that load maps the files, so their pages are read on first use: this row
-is the one to set beside the peer's); generate (load + 4 tokens, for its
-peak memory); and, as the peer, transformers' from_pretrained plus a first forward pass (its lazy
-mmap pays for the reads there). Peak RSS is the process's VmHWM; the baseline is its RSS after
-its imports. Prints the machine, the weight bytes and every ratio against the targets.
+(warm page cache: every file is read once before it is timed):
+- convert (HF dir -> gpt2_jax dir);
+- gpt2_jax.load of the HF dir, the converted dir and the ckpt.pt;
+- the converted dir's load followed by a sum over every weight: that load maps the files, so their
+  pages are read on first use, and this is the row to set beside the peer's;
+- generate (load + 4 tokens, for its peak memory);
+- the peer: transformers' from_pretrained plus a first forward pass (its lazy mmap pays for the
+  reads there);
+- the floor under a loader that copies into a new layout (HF's [in, out] -> [out, in]): allocating
+  and populating the weights' bytes of fresh memory, with no reads. In a VM the host backs fresh
+  pages on first touch, which can cost more than the copies.
+Peak RSS is the process's VmHWM; the baseline is its RSS after its imports. Prints the machine, the
+weight bytes and every ratio against the targets.
 """
 
 from __future__ import annotations
@@ -47,6 +53,13 @@ def child(kind: str, path: str, out: str | None) -> dict:
     elif kind == "load+read":  # a load that maps the files reads them on first use: pay that here
         params = jax.block_until_ready(gpt2_jax.load(path)[0])
         sum(float(np.asarray(leaf).sum(dtype=np.float32)) for leaf in jax.tree.leaves(params))
+    elif kind == "fresh":  # the floor under any loader that must write a new layout: memory to hold it
+        from gpt2_jax.tensors import _allocate
+
+        left, held = (Path(path) / "model.safetensors").stat().st_size, []
+        while left > 0:  # gpt2-xl's largest block tensor at a time, allocated as the loaders allocate
+            held.append(_allocate((min(left, 40_960_000) // 4,), np.dtype(np.float32)))
+            left -= held[-1].nbytes
     elif kind == "convert":
         convert(path, out, force=True)
     elif kind == "generate":
@@ -140,13 +153,14 @@ def measure(root: Path, threads: int, repeats: int) -> list[tuple[str, dict]]:
     for name, kind, path in [("load HF dir (safetensors)", "load", hf), ("load gpt2_jax dir (orbax)", "load", converted),
                              ("load gpt2_jax dir + read every weight once", "load+read", converted),
                              ("load nanoGPT ckpt.pt", "load", nano), ("generate (load + 4 tokens)", "generate", hf),
-                             ("peer: transformers from_pretrained + forward", "peer", hf)]:  # fmt: skip
+                             ("peer: transformers from_pretrained + forward", "peer", hf),
+                             ("floor for a copying load: populate the weights' bytes of fresh memory", "fresh", hf)]:  # fmt: skip
         rows.append((name, run_child(kind, path, threads=threads, repeats=repeats)))
     return rows
 
 
 def report(size: str, rows: list[tuple[str, dict]], weights: int) -> None:
-    peer = rows[-1][1]["seconds"]
+    peer = next(r["seconds"] for name, r in rows if name.startswith("peer"))
     print(f"\n{size}: {weights / 1e9:.2f} GB of fp32 weights")
     print("| operation | time | peak RSS | peak / weights | (peak - baseline) / weights | time / peer |")
     print("| --- | --- | --- | --- | --- | --- |")

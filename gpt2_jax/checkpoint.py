@@ -1,4 +1,9 @@
-"""gpt2_jax's own checkpoint: a directory holding gpt2_jax.json (the GPT2Config) and params/ (orbax)."""
+"""gpt2_jax's own checkpoint: a directory holding gpt2_jax.json (the GPT2Config) and params/ (orbax).
+
+params/ is a plain orbax PyTree checkpoint, block leaves stacked [L, ...], written uncompressed and
+without OCDBT, so that each leaf's bytes are one file that a load on one device maps in place of
+reading it (_mapped). Anything else orbax wrote (OCDBT, compressed, sharded over processes), a
+cast on loading (dtype=) and a mesh are read by TensorStore into fresh buffers instead."""
 
 from __future__ import annotations
 
@@ -112,7 +117,8 @@ def _adopt_leaves(mapped: dict[str, np.ndarray], device: Any, progress: bool, so
     """Params whose buffers are the checkpoint's own file pages: on the CPU jax.device_put adopts a
     64-byte-aligned host array instead of copying it (each file is page-aligned, and every GPT-2 layer
     slice a multiple of 64 bytes), so loading takes no time and no memory of its own; the first pass
-    over the weights reads them from the page cache, as transformers' memory-mapped load does. The
+    over the weights reads them from the page cache, as transformers' memory-mapped load does (an
+    accelerator's device_put copies them from the mapping to the device instead). The
     mapping is private (copy-on-write): nothing written to a buffer reaches the file, and replacing the
     checkpoint (save() renames a new directory into place) leaves the mapped files intact."""
     from gpt2_jax.streaming import progress_bar
@@ -177,9 +183,11 @@ def _read_leaves(stores: dict[str, Any], target: Any, progress: bool, source: st
 
 def restore(path: str | Path, dtype: Any = None, mesh: Any = None, progress: bool = False,
             stacked: bool = False) -> tuple[Params, GPT2Config]:
-    """Read a checkpoint written by save(), optionally cast to dtype, every leaf allocated once in
-    its final layout and dtype. With a mesh, every device reads only its own shards, so the model
-    never has to fit on one device; without, it lands on this process's first device."""
+    """Read a checkpoint written by save(), optionally cast to dtype. On one device (no mesh) and in
+    the stored dtype, the params are the checkpoint's own file pages, mapped (_adopt_leaves); else
+    every leaf is allocated once in its final layout and dtype and read into. With a mesh, every
+    device reads only its own shards, so the model never has to fit on one device; without, it lands
+    on this process's first device."""
     from jax.sharding import SingleDeviceSharding
 
     from gpt2_jax.sharding import check_mesh, param_shardings
