@@ -54,7 +54,7 @@ def child(kind: str, path: str, out: str | None) -> dict:
         params = jax.block_until_ready(gpt2_jax.load(path)[0])
         sum(float(np.asarray(leaf).sum(dtype=np.float32)) for leaf in jax.tree.leaves(params))
     elif kind == "fresh":  # the floor under any loader that must write a new layout: memory to hold it
-        from gpt2_jax.tensors import _allocate
+        from gpt2_jax.hostmem import _allocate
 
         left, held = (Path(path) / "model.safetensors").stat().st_size, []
         while left > 0:  # gpt2-xl's largest block tensor at a time, allocated as the loaders allocate

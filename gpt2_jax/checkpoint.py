@@ -18,7 +18,7 @@ from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import CheckpointError, GPT2JaxError
 from gpt2_jax.files import atomic_dir
 from gpt2_jax.params import Params, _set, check_tree, dotted, stack_layers, unstack_layers
-from gpt2_jax.tensors import host_buffer, prefetching
+from gpt2_jax.hostmem import host_buffer, prefetching
 
 CONFIG_FILE = "gpt2_jax.json"
 PARAMS_DIR = "params"
@@ -159,7 +159,7 @@ def _read_leaves(stores: dict[str, Any], target: Any, progress: bool, source: st
     leaves = {dotted(p): t for p, t in jax.tree_util.tree_flatten_with_path(target)[0]}
     order = sorted(leaves, key=lambda n: -int(np.prod(leaves[n].shape)))
     # every host buffer the loop asks for (one per device shard of each stored leaf), in its order:
-    # allocated ahead on a thread (tensors.prefetching) while TensorStore fills the previous ones
+    # allocated ahead on a thread (hostmem.prefetching) while TensorStore fills the previous ones
     specs = [(leaves[n].sharding.shard_shape(leaves[n].shape), np.dtype(leaves[n].dtype))
              for n in order for _ in leaves[n].sharding.addressable_devices]  # fmt: skip
     total = sum(int(np.prod(shape)) * dt.itemsize for shape, dt in specs)

@@ -62,12 +62,20 @@ def tensors_of(loaded: Any, path: Path, select: Callable[[Any], Any] = lambda ob
     budget = mapped_budget(sum(v.nbytes for v in views.values()))
     del views
     file = Reopening(lambda: _state_dict(select(torch_load(path)), path), budget, first=state)
+    kept: list[dict[str, Any]] = []  # a mapping of its own for the tensors adopted whole (torch maps privately)
+
+    def whole(name: str) -> np.ndarray | None:
+        if not zipfile.is_zipfile(path):  # a legacy file is not mapped: its tensors are plain memory
+            return None
+        if not kept:
+            kept.append(_state_dict(select(torch_load(path)), path))
+        return torch_to_numpy(kept[0][name])
 
     def lazy(name: str, shape: tuple[int, ...], dtype: np.dtype) -> Lazy:
         def read(index: Index) -> np.ndarray:
             return file.read(part_bytes(shape, dtype.itemsize, index), lambda state: torch_to_numpy(state[name])[index])
 
-        return Lazy(shape, dtype, read)
+        return Lazy(shape, dtype, read, whole=lambda: whole(name))
 
     return {name: lazy(name, s, d) for name, (s, d) in shapes.items()}
 

@@ -1,7 +1,7 @@
 """Flat lazy tensors -> the params pytree on its device(s), one slot at a time, in bounded memory.
 
 Each leaf of params (see gpt2_jax.params) is built by jax.make_array_from_callback: for every
-device the callback allocates that device's shard once, in the final dtype (tensors.host_buffer,
+device the callback allocates that device's shard once, in the final dtype (hostmem.host_buffer,
 which the CPU backend adopts without copying), and copies each layer's tensor into its slot a few
 MiB at a time, casting on the way. So the peak is the weights plus a few MiB, the model is never
 held twice, and on a mesh each device receives only its own shards.
@@ -18,7 +18,8 @@ from jax.sharding import Sharding, SingleDeviceSharding
 
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.params import _LINEAR_WEIGHTS, Params, _set, check_flat, layer_shapes, tree_shape
-from gpt2_jax.tensors import Index, Lazy, prefetching, transposed
+from gpt2_jax.hostmem import prefetching
+from gpt2_jax.tensors import Index, Lazy, then, transposed
 
 CHUNK_BYTES = 4 << 20  # per copy: small enough to stay in the allocator's warm memory
 
@@ -28,7 +29,7 @@ def as_tree_shape(name: str, t: Any) -> Lazy:
     params.tree_shape): linear weights as [out, in], c_attn's [D, 3D] as [3, D, D] (q, k and v each read
     from its own third of the columns), its bias [3D] as [3, D]."""
     shape, dtype, axis = tuple(t.shape), np.dtype(t.dtype), getattr(t, "chunk_axis", 0)
-    tree = tree_shape(name, shape)
+    tree, whole = tree_shape(name, shape), getattr(t, "whole", None)  # whole: only a file's Lazy has one
     if name == "attn.c_attn.weight":
         d = tree[1]
 
@@ -37,12 +38,27 @@ def as_tree_shape(name: str, t: Any) -> Lazy:
             o0, o1, _ = outs.indices(d)
             return np.stack([t[(ins, slice(k * d + o0, k * d + o1))].T for k in range(*qkv.indices(3))])
 
-        return Lazy(tree, dtype, read_qkv, 2 if axis == 0 else 1)  # chunks along the file's rows
+        # stored [out, in] as [3D, D] (nanoGPT, read here transposed), q | k | v are its three row blocks
+        qkv = then(whole, lambda w: w.T.reshape(tree) if w.T.flags.c_contiguous else None)
+        return Lazy(tree, dtype, read_qkv, 2 if axis == 0 else 1, qkv)  # chunks along the file's rows
     if name in _LINEAR_WEIGHTS:
         return transposed(t if isinstance(t, Lazy) else Lazy(shape, dtype, lambda index: t[index], axis))
     if tree == shape:
-        return Lazy(shape, dtype, lambda index: t[index], axis)
-    return Lazy(tree, dtype, lambda index: np.asarray(t[(slice(None),)]).reshape(tree)[index])  # c_attn's bias
+        return Lazy(shape, dtype, lambda index: t[index], axis, whole)
+    return Lazy(tree, dtype, lambda index: np.asarray(t[(slice(None),)]).reshape(tree)[index],
+                whole=then(whole, lambda w: w.reshape(tree)))  # c_attn's bias, [3D] -> [3, D]  # fmt: skip
+
+
+def adoptable(src: Lazy, dtype: np.dtype) -> np.ndarray | None:
+    """src as a view of its file's private mapping, if jax.device_put can take that view as the
+    array's buffer as it is: the whole tensor, already in the params layout and dtype, C-contiguous
+    and 64-byte aligned (the XLA CPU backend adopts such host arrays instead of copying them). Then
+    loading it reads and copies nothing, and its pages are read from the page cache on first use.
+    Writes never reach the file (copy-on-write). None otherwise: it is copied into a fresh buffer."""
+    view = src.whole() if src.whole is not None and np.dtype(src.dtype) == dtype else None
+    if view is None or view.shape != tuple(src.shape) or view.dtype != dtype:
+        return None
+    return view if view.flags.c_contiguous and view.ctypes.data % 64 == 0 else None
 
 
 def leaf_sources(flat: Mapping[str, Any], config: GPT2Config) -> dict[str, tuple[bool, list[Lazy]]]:
@@ -74,7 +90,7 @@ def copy_into(out: np.ndarray, src: Lazy, index: Index, progress: Any) -> None:
 def fill_shard(shape: tuple[int, ...], dtype: Any, stacked: bool, sources: list[Lazy],
                index: Index, progress: Any) -> np.ndarray:  # fmt: skip
     """One device's shard of a leaf, read from its sources straight into a fresh host buffer."""
-    from gpt2_jax.tensors import host_buffer
+    from gpt2_jax.hostmem import host_buffer
 
     index = tuple(s if isinstance(s, slice) else slice(s, s + 1) for s in index)
     index += (slice(None),) * (len(shape) - len(index))
@@ -126,14 +142,22 @@ def build_params(flat: Mapping[str, Any], config: GPT2Config, source: str, dtype
             plan += [(i, key[2:], shapes[key][1:], sh, dt, False, [src]) for i, src in enumerate(sources)]
         else:
             plan.append((None, key, shapes[key], shardings[key], dt, on_l, sources))
+    # on one device, a tensor stored exactly as its buffer must be is that buffer: the file's pages, no copy
+    views = [adoptable(p[6][0], p[4]) if mesh is None and not p[5] else None for p in plan]
     # every host buffer the loop asks for, in its order (one per device shard): allocated ahead on a thread
-    specs = [(sh.shard_shape(shape), dt) for _, _, shape, sh, dt, _, _ in plan for _ in sh.addressable_devices]
-    total = sum(int(np.prod(shape)) * dt.itemsize for shape, dt in specs)
+    specs = [(sh.shard_shape(shape), dt) for (_, _, shape, sh, dt, _, _), v in zip(plan, views) if v is None
+             for _ in sh.addressable_devices]  # fmt: skip
+    total = sum(int(np.prod(sh.shard_shape(shape))) * dt.itemsize * len(sh.addressable_devices)
+                for _, _, shape, sh, dt, _, _ in plan)  # fmt: skip
     params: Params = {} if stacked else {"h": [{} for _ in range(config.n_layer)]}
     with progress_bar(total, progress, f"loading {source}") as bar, prefetching(specs, max(total // 16, 16 << 20)):
-        for layer, name, shape, sh, dt, on_l, sources in plan:
-            array = jax.make_array_from_callback(
-                shape, sh, lambda index, t=shape, d=dt, st=on_l, s=sources: fill_shard(t, d, st, s, index, bar))
+        for (layer, name, shape, sh, dt, on_l, sources), view in zip(plan, views):
+            if view is not None:
+                array = jax.device_put(view, sh)
+                bar.update(view.nbytes)
+            else:
+                array = jax.make_array_from_callback(
+                    shape, sh, lambda index, t=shape, d=dt, st=on_l, s=sources: fill_shard(t, d, st, s, index, bar))
             _set(params if layer is None else params["h"][layer], name, array)
     return params
 

@@ -27,7 +27,7 @@ MAX_RATIO = 1.25  # peak RSS above the baseline, over the weight bytes
 
 MEASURE = """
 import json, sys
-import jax, jax.numpy as jnp, torch
+import jax, jax.numpy as jnp, numpy as np, torch
 import gpt2_jax
 from gpt2_jax.convert import convert
 jnp.zeros(1).block_until_ready()  # the backend's own memory belongs to the baseline
@@ -35,8 +35,9 @@ status = lambda key: int(open("/proc/self/status").read().split(key + ":")[1].sp
 base = status("VmRSS")
 if sys.argv[1] == "load":
     params = gpt2_jax.load(sys.argv[2], dtype=sys.argv[3] if len(sys.argv) > 3 else None)[0]
-    # read every weight once: a gpt2_jax dir's buffers are its files' pages, only resident once read
-    jax.jit(lambda p: sum(jnp.sum(x.astype(jnp.float32)) for x in jax.tree.leaves(p)))(params).block_until_ready()
+    # read every weight once (on the host: np.asarray of a CPU array is a view): a buffer that is its
+    # file's pages (a gpt2_jax dir, a nanoGPT ckpt.pt) is only resident once read
+    sum(float(np.asarray(x).sum(dtype=np.float32)) for x in jax.tree.leaves(params))
 else:
     convert(sys.argv[2], sys.argv[3])
 print(json.dumps(dict(base=base, peak=status("VmHWM"))))
@@ -97,16 +98,22 @@ def test_cast_while_streaming_rounds_as_torch_does(tmp_path, fmt):
     np.testing.assert_array_equal(np.asarray(params["h"][1]["mlp"]["c_fc"]["weight"], np.float32).T, torch_bf16)  # [out, in]
 
 
-def test_a_gpt2_jax_checkpoint_loads_as_its_own_file_pages(tmp_path):
-    """convert writes each leaf as one raw file; load maps them (private, copy-on-write) and the params'
-    buffers are those pages: no copy, no memory of its own. Equal to the HF load bit for bit, and a
-    jit that donates the params (as the train step does) leaves the files unchanged."""
+@pytest.mark.parametrize("fmt", ["jax", "nano"])
+def test_a_checkpoint_stored_in_the_params_layout_loads_as_its_own_file_pages(tmp_path, fmt):
+    """convert writes each leaf as one raw file, and nanoGPT stores every tensor as params hold it
+    ([out, in]; c_attn [3D, D] is q | k | v): load maps them (private, copy-on-write) and the params'
+    buffers are those pages, with no copy and no memory of their own. Equal to the HF load bit for
+    bit, and a jit that donates the params (as the train step does) leaves the files unchanged."""
     model = make_hf_model(seed=11, n_layer=3, n_head=2, n_embd=32, vocab_size=50, n_positions=16)
     model.save_pretrained(tmp_path / "hf")
-    assert convert_main([str(tmp_path / "hf"), str(tmp_path / "jax")]) == 0
-    files = {p: p.read_bytes() for p in (tmp_path / "jax" / "params").rglob("0*") if p.is_file()}
-    assert len(files) == 16, sorted(files)  # one data file per stored leaf: 12 block, wte, wpe, ln_f x2
-    params, config = gpt2_jax.load(tmp_path / "jax")
+    if fmt == "jax":
+        assert convert_main([str(tmp_path / "hf"), str(tmp_path / "jax")]) == 0
+        files = {p: p.read_bytes() for p in (tmp_path / "jax" / "params").rglob("0*") if p.is_file()}
+        assert len(files) == 16, sorted(files)  # one data file per stored leaf: 12 block, wte, wpe, ln_f x2
+    else:
+        path = save_nanogpt(model, tmp_path / "nano" / "ckpt.pt")
+        files = {path: path.read_bytes()}
+    params, config = gpt2_jax.load(tmp_path / fmt)
     want, _ = gpt2_jax.load(tmp_path / "hf")
     maps = []  # (start, end, permissions, file) of every file mapping of this process
     for line in open("/proc/self/maps").read().splitlines():
@@ -118,7 +125,7 @@ def test_a_gpt2_jax_checkpoint_loads_as_its_own_file_pages(tmp_path):
         np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
         at = a.unsafe_buffer_pointer()
         home = [(perms, f) for start, end, perms, f in maps if start <= at < end]
-        assert len(home) == 1 and home[0][1].startswith(str((tmp_path / "jax" / "params").resolve())), (a.shape, home)
+        assert len(home) == 1 and home[0][1].startswith(str((tmp_path / fmt).resolve())), (a.shape, home)
         assert home[0][0].endswith("p"), home  # private: writes never reach the file
     doubled = jax.jit(lambda p: jax.tree.map(lambda x: x * 2 + 1, p), donate_argnums=0)(params)
     np.testing.assert_array_equal(np.asarray(doubled["wte"]), np.asarray(want["wte"]) * 2 + 1)
