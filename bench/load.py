@@ -7,8 +7,9 @@ safetensors) and a nanoGPT ckpt.pt of the same weights. Then measures, each in a
 (warm page cache: every file is read once before it is timed):
 - convert (HF dir -> gpt2_jax dir);
 - gpt2_jax.load of the HF dir, the converted dir and the ckpt.pt;
-- the converted dir's load followed by a sum over every weight: that load maps the files, so their
-  pages are read on first use, and this is the row to set beside the peer's;
+- the converted dir's and the ckpt.pt's loads followed by a sum over every weight: those loads map
+  the files (their tensors are stored as params hold them), so the pages are read on first use, and
+  these are the rows to set beside the peer's;
 - generate (load + 4 tokens, for its peak memory);
 - the peer: transformers' from_pretrained plus a first forward pass (its lazy mmap pays for the
   reads there);
@@ -52,7 +53,7 @@ def child(kind: str, path: str, out: str | None) -> dict:
         jax.block_until_ready(gpt2_jax.load(path)[0])
     elif kind == "load+read":  # a load that maps the files reads them on first use: pay that here
         params = jax.block_until_ready(gpt2_jax.load(path)[0])
-        sum(float(np.asarray(leaf).sum(dtype=np.float32)) for leaf in jax.tree.leaves(params))
+        sum(float(np.asarray(leaf).sum(dtype=np.float32)) for leaf in jax.tree.leaves(params))  # a view on CPU
     elif kind == "fresh":  # the floor under any loader that must write a new layout: memory to hold it
         from gpt2_jax.hostmem import _allocate
 
@@ -152,7 +153,8 @@ def measure(root: Path, threads: int, repeats: int) -> list[tuple[str, dict]]:
     warm(converted)
     for name, kind, path in [("load HF dir (safetensors)", "load", hf), ("load gpt2_jax dir (orbax)", "load", converted),
                              ("load gpt2_jax dir + read every weight once", "load+read", converted),
-                             ("load nanoGPT ckpt.pt", "load", nano), ("generate (load + 4 tokens)", "generate", hf),
+                             ("load nanoGPT ckpt.pt", "load", nano),
+                             ("load nanoGPT ckpt.pt + read every weight once", "load+read", nano), ("generate (load + 4 tokens)", "generate", hf),
                              ("peer: transformers from_pretrained + forward", "peer", hf),
                              ("floor for a copying load: populate the weights' bytes of fresh memory", "fresh", hf)]:  # fmt: skip
         rows.append((name, run_child(kind, path, threads=threads, repeats=repeats)))
