@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -112,28 +112,17 @@ def _mapped(path: Path, stored: Any, dtype: Any) -> dict[str, np.ndarray] | None
         return None
 
 
-def _adopt_leaves(mapped: dict[str, np.ndarray], device: Any, progress: bool, source: str,
-                  stacked: bool) -> Params:  # fmt: skip
-    """Params whose buffers are the checkpoint's own file pages: on the CPU jax.device_put adopts a
-    64-byte-aligned host array instead of copying it (each file is page-aligned, and every GPT-2 layer
-    slice a multiple of 64 bytes), so loading takes no time and no memory of its own; the first pass
-    over the weights reads them from the page cache, as transformers' memory-mapped load does (an
-    accelerator's device_put copies them from the mapping to the device instead). The
+def _mapped_shard(array: np.ndarray, index: tuple, bar: Any) -> np.ndarray:
+    """One device's shard of a mapped leaf: a view of the checkpoint's own file pages, which
+    jax.device_put on the CPU adopts as the buffer (it does so for 64-byte-aligned host arrays: each
+    file is page-aligned, and every GPT-2 layer slice a multiple of 64 bytes), so loading takes no time
+    and no memory of its own; the first pass over the weights reads them from the page cache, as
+    transformers' memory-mapped load does (an accelerator's device_put copies from the mapping). The
     mapping is private (copy-on-write): nothing written to a buffer reaches the file, and replacing the
     checkpoint (save() renames a new directory into place) leaves the mapped files intact."""
-    from gpt2_jax.streaming import progress_bar
-
-    n_layer = next(a.shape[0] for name, a in mapped.items() if name.startswith("h."))
-    params: Params = {} if stacked else {"h": [{} for _ in range(n_layer)]}
-    with progress_bar(sum(a.nbytes for a in mapped.values()), progress, f"loading {source}") as bar:
-        for name, array in mapped.items():
-            if stacked or not name.startswith("h."):
-                _set(params, name, jax.device_put(array, device))
-            else:
-                for i in range(n_layer):
-                    _set(params["h"][i], name[2:], jax.device_put(array[i], device))
-            bar.update(array.nbytes)
-    return params
+    view = array[index]
+    bar.update(view.nbytes)
+    return view
 
 
 def _read_shard(store: Any, dtype: np.dtype, index: tuple, bar: Any) -> np.ndarray:
@@ -147,13 +136,15 @@ def _read_shard(store: Any, dtype: np.dtype, index: tuple, bar: Any) -> np.ndarr
     return out
 
 
-def _read_leaves(stores: dict[str, Any], target: Any, progress: bool, source: str, stacked: bool) -> Params:
-    """Every leaf read into its final buffers, largest first: TensorStore decodes a whole chunk before
-    copying it, and that transient is smallest when little else is held yet. Checkpoints store each
-    block tensor stacked [L, ...] as one chunk, so a per-layer leaf is not read layer by layer (that
-    decodes the whole chunk L times: 4 minutes for gpt2-xl instead of seconds): each device's shard of
-    the stacked leaf is read once into one buffer, and layer i's array is a view of its slice i,
-    which jax.device_put on the CPU adopts without a copy."""
+def _read_leaves(read: Callable[[str, np.dtype, tuple, Any], np.ndarray], target: Any, progress: bool,
+                 source: str, stacked: bool, prefetch: bool) -> Params:  # fmt: skip
+    """Every leaf's shards, read(name, dtype, index, bar) -> a host array (_read_shard: TensorStore into
+    a fresh buffer; _mapped_shard: a view of the file), as params, largest first: TensorStore decodes a
+    whole chunk before copying it, and that transient is smallest when little else is held yet.
+    Checkpoints store each block tensor stacked [L, ...] as one chunk, so a per-layer leaf is not read
+    layer by layer (that decodes the whole chunk L times: 4 minutes for gpt2-xl instead of seconds):
+    each device's shard of the stacked leaf is read once, and layer i's array is a view of its slice
+    i, which jax.device_put on the CPU adopts without a copy."""
     from gpt2_jax.streaming import _drop_layer_axis, progress_bar
 
     leaves = {dotted(p): t for p, t in jax.tree_util.tree_flatten_with_path(target)[0]}
@@ -165,15 +156,16 @@ def _read_leaves(stores: dict[str, Any], target: Any, progress: bool, source: st
     total = sum(int(np.prod(shape)) * dt.itemsize for shape, dt in specs)
     n_layer = next(t.shape[0] for name, t in leaves.items() if name.startswith("h."))
     params: Params = {} if stacked else {"h": [{} for _ in range(n_layer)]}
-    with progress_bar(total, progress, f"loading {source}") as bar, prefetching(specs, max(total // 16, 16 << 20)):
+    with progress_bar(total, progress, f"loading {source}") as bar, \
+            prefetching(specs if prefetch else [], max(total // 16, 16 << 20)):  # fmt: skip
         for name in order:
             t, d = leaves[name], np.dtype(leaves[name].dtype)
             if stacked or not name.startswith("h."):
                 _set(params, name, jax.make_array_from_callback(
-                    t.shape, t.sharding, lambda index, s=stores[name]: _read_shard(s, d, index, bar)))
+                    t.shape, t.sharding, lambda index, n=name: read(n, d, index, bar)))
                 continue
             shape, sharding = t.shape[1:], _drop_layer_axis(t.sharding)
-            shards = {dev: _read_shard(stores[name], d, (slice(None), *index), bar)  # [L, *shard]
+            shards = {dev: read(name, d, (slice(None), *index), bar)  # [L, *shard]
                       for dev, index in sharding.addressable_devices_indices_map(shape).items()}  # fmt: skip
             for i in range(n_layer):
                 _set(params["h"][i], name[2:], jax.make_array_from_single_device_arrays(
@@ -184,7 +176,7 @@ def _read_leaves(stores: dict[str, Any], target: Any, progress: bool, source: st
 def restore(path: str | Path, dtype: Any = None, mesh: Any = None, progress: bool = False,
             stacked: bool = False) -> tuple[Params, GPT2Config]:
     """Read a checkpoint written by save(), optionally cast to dtype. On one device (no mesh) and in
-    the stored dtype, the params are the checkpoint's own file pages, mapped (_adopt_leaves); else
+    the stored dtype, the params are the checkpoint's own file pages, mapped (_mapped_shard); else
     every leaf is allocated once in its final layout and dtype and read into. With a mesh, every
     device reads only its own shards, so the model never has to fit on one device; without, it lands
     on this process's first device."""
@@ -211,10 +203,12 @@ def restore(path: str | Path, dtype: Any = None, mesh: Any = None, progress: boo
     try:
         mapped = None if mesh is not None else _mapped(path / PARAMS_DIR, stored, dtype)
         if mapped is not None:
-            return _adopt_leaves(mapped, jax.local_devices()[0], progress, str(path), stacked), config
+            read = lambda name, d, index, bar: _mapped_shard(mapped[name], index, bar)  # noqa: E731
+            return _read_leaves(read, target, progress, str(path), stacked, prefetch=False), config
         stores = _stores(path / PARAMS_DIR, stored)
         if stores is not None:
-            return _read_leaves(stores, target, progress, str(path), stacked), config
+            read = lambda name, d, index, bar: _read_shard(stores[name], d, index, bar)  # noqa: E731
+            return _read_leaves(read, target, progress, str(path), stacked, prefetch=True), config
         import orbax.checkpoint as ocp
 
         params = ckptr.restore(path / PARAMS_DIR, args=ocp.args.PyTreeRestore(

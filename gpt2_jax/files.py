@@ -63,9 +63,10 @@ def tensors_of(loaded: Any, path: Path, select: Callable[[Any], Any] = lambda ob
     del views
     file = Reopening(lambda: _state_dict(select(torch_load(path)), path), budget, first=state)
     kept: list[dict[str, Any]] = []  # a mapping of its own for the tensors adopted whole (torch maps privately)
+    mapped = zipfile.is_zipfile(path)  # a legacy file is not mapped: its tensors are plain memory
 
     def whole(name: str) -> np.ndarray | None:
-        if not zipfile.is_zipfile(path):  # a legacy file is not mapped: its tensors are plain memory
+        if not mapped:
             return None
         if not kept:
             kept.append(_state_dict(select(torch_load(path)), path))

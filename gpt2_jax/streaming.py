@@ -143,7 +143,7 @@ def build_params(flat: Mapping[str, Any], config: GPT2Config, source: str, dtype
         else:
             plan.append((None, key, shapes[key], shardings[key], dt, on_l, sources))
     # on one device, a tensor stored exactly as its buffer must be is that buffer: the file's pages, no copy
-    views = [adoptable(p[6][0], p[4]) if mesh is None and not p[5] else None for p in plan]
+    views = [adoptable(srcs[0], dt) if mesh is None and not on_l else None for _, _, _, _, dt, on_l, srcs in plan]
     # every host buffer the loop asks for, in its order (one per device shard): allocated ahead on a thread
     specs = [(sh.shard_shape(shape), dt) for (_, _, shape, sh, dt, _, _), v in zip(plan, views) if v is None
              for _ in sh.addressable_devices]  # fmt: skip
