@@ -94,6 +94,7 @@ def main() -> None:
     import transformers
 
     import gpt2_jax
+    from gpt2_jax import kernels
     from gpt2_jax.params import param_bytes
 
     torch.set_num_threads(args.threads)
@@ -104,7 +105,8 @@ def main() -> None:
     transformers.GPT2LMHeadModel(transformers.GPT2Config()).save_pretrained(path)
     hf = transformers.GPT2LMHeadModel.from_pretrained(path).eval()
     params, config = gpt2_jax.load(path)
-    print(f"jax {jax.__version__}, torch {torch.__version__}, transformers {transformers.__version__}")
+    print(f"jax {jax.__version__}, torch {torch.__version__}, transformers {transformers.__version__}; "
+          f"float32 matmuls: {f'rowdot ({kernels.available()})' if kernels.available() else 'XLA (rowdot not built)'}")
 
     L, D, V = config.n_layer, config.n_embd, config.vocab_size
     weights = param_bytes(params) - params["wpe"].nbytes  # decode reads one wpe row per token

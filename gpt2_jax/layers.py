@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from gpt2_jax.config import GPT2Config
+from gpt2_jax import kernels
 from gpt2_jax.numerics import MIN_REDUCE
 from gpt2_jax.scan import apply_weight, take
 from gpt2_jax.sharding import constrain
@@ -72,24 +73,27 @@ def tap_normalized(tap, normalized: jax.Array, var_eps: jax.Array, T: int) -> ja
 
 def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [..., in] @ w[out..., in] -> [..., out...] float32, as one matmul of the rows [M, in] (M = the
-    leading dims) against w contracted on its last axis.
+    leading dims) against w contracted on its last axis, so that a token's result does not depend on
+    how many rows share the call (a batch, a prefill, a decode step).
 
-    In this form XLA's CPU kernel computes each row with the same instructions for any row count M >= 2,
-    so a token's result does not depend on how many rows share the call (a batch, a prefill, a decode
-    step). The barrier keeps XLA from choosing another output layout for the consumer's sake (which
-    swaps the operands and the kernel). A single row takes a matrix-vector kernel, so it is computed as
-    two. w's output axes are merged into one N (a free reshape): XLA would otherwise move the contraction
-    axis first, which is the other, row-count-dependent kernel. Except on a mesh, where c_attn's split
-    heads axis (under the unsplit q|k|v axis) cannot merge without gathering the weight; sharded results
-    are equal to one device's to 1e-5, not bitwise, anyway."""
+    float32 on a CPU: gpt2_jax.kernels.rowdot, whose every output is one dot product rounded the same
+    way for any M. Otherwise (bfloat16 weights, GPU, or the kernel not built) XLA's matmul in the form
+    its CPU kernel keeps row-count independent for M >= 2: w's output axes merged into one N (else XLA
+    moves the contraction axis first, a row-count-dependent kernel), behind a barrier that keeps XLA
+    from swapping the operands for its consumer's sake, and a single row computed as two (one row takes
+    a matrix-vector kernel). On a mesh, c_attn's split heads axis (under the unsplit q|k|v axis) cannot
+    merge without gathering the weight, so w is contracted as it lies; sharded results equal one
+    device's to 1e-5, not bitwise, anyway."""
     lead, out = x.shape[:-1], w.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     M = x2.shape[0]
-    x2 = jnp.concatenate([x2, x2]) if M == 1 else x2
-    if jax.sharding.get_abstract_mesh().empty:
-        y = jnp.einsum("MI,NI->MN", x2, w.reshape(-1, w.shape[-1]), preferred_element_type=F32)
-    else:
+    if not jax.sharding.get_abstract_mesh().empty:
         y = jnp.einsum("MI,...I->M...", x2, w, preferred_element_type=F32)
+    elif x2.dtype == F32 and w.dtype == F32 and kernels.available():
+        return kernels.rowdot(x2, w.reshape(-1, w.shape[-1])).reshape(*lead, *out)
+    else:
+        x2 = jnp.concatenate([x2, x2]) if M == 1 else x2
+        y = jnp.einsum("MI,NI->MN", x2, w.reshape(-1, w.shape[-1]), preferred_element_type=F32)
     return jax.lax.optimization_barrier(y)[:M].reshape(*lead, *out)
 
 

@@ -1,0 +1,119 @@
+// rowdot: y[m, n] = sum_k x[m, k] * w[n, k] in float32, each output rounded the same way for any M.
+//
+// Why a kernel of our own: XLA's CPU matmul picks a different kernel (and so a different rounding) for
+// one row, for a few rows and for many, so a token's logits would depend on its batch. Here every output
+// is one dot product computed by the same instructions wherever it sits: 16 lane-wise accumulators, lane
+// i taking the products k = i, i + 16, ... in order through fused multiply-adds, then the 16 lanes summed
+// by one fixed tree. Tiling (a few x rows against a few w rows, so each loaded vector feeds several
+// accumulators), the split across threads and the batch size change which outputs are computed together,
+// never how one is computed. The AVX2 path holds the 16 lanes in two 8-lane registers and rounds exactly
+// like the AVX-512 one.
+//
+// The layout is XLA's FFI: x [..., M, K], w [..., N, K] (the weights as checkpoints hold them, [out, in]),
+// y [..., M, N]; leading dims of x and w are equal or one of them is 1 (vmap's "expand_dims").
+
+#include <Python.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <thread>
+
+#include "rowdot.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using rowdot::Problem;
+
+struct Shared {
+  Problem p;
+  int64_t row_blocks, items;
+  std::atomic<int64_t> next{0}, done{0};
+};
+
+void Work(Shared& s) {
+  for (int64_t i; (i = s.next.fetch_add(1, std::memory_order_relaxed)) < s.items;) {
+    rowdot::Item(s.p, s.row_blocks, i);
+    s.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+// The work items go to XLA's own intra-op threads and this one. The caller waits only for items some
+// thread has claimed, so a task the pool starts late finds nothing left and returns.
+void Run(ffi::ThreadPool& pool, const Problem& p) {
+  if (p.M == 0 || p.N == 0) return;
+  auto s = std::make_shared<Shared>();
+  s->p = p;
+  s->row_blocks = rowdot::RowBlocks(p);
+  s->items = rowdot::Items(p);
+  int64_t helpers = std::min<int64_t>(pool.num_threads(), s->items) - 1;
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([s] { Work(*s); });
+  Work(*s);
+  while (s->done.load(std::memory_order_acquire) < s->items) std::this_thread::yield();
+}
+
+int64_t Lead(ffi::Span<const int64_t> dims) {
+  int64_t n = 1;
+  for (size_t d = 0; d + 2 < dims.size(); ++d) n *= dims[d];
+  return n;
+}
+
+ffi::Error RowDotImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                      ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() < 2 || wd.size() < 2 || xd.back() != wd.back())
+    return ffi::Error::InvalidArgument("rowdot: x [..., M, K] and w [..., N, K] must share K");
+  int64_t K = xd.back(), M = xd[xd.size() - 2], N = wd[wd.size() - 2];
+  int64_t xb = Lead(xd), wb = Lead(wd);
+  const float* xp = x.typed_data();
+  const float* wp = w.typed_data();
+  float* yp = y->typed_data();
+  if (wb == 1) {  // one weight for every batch entry: all of x's rows in one problem
+    Run(pool, Problem{xp, wp, yp, xb * M, N, K});
+  } else if (xb == wb || xb == 1) {
+    for (int64_t b = 0; b < wb; ++b)
+      Run(pool, Problem{xp + (xb == 1 ? 0 : b * M * K), wp + b * N * K, yp + b * M * N, M, N, K});
+  } else {
+    return ffi::Error::InvalidArgument("rowdot: leading dims of x and w must match or be 1");
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GPT2JaxRowDot, RowDotImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+// ------------------------------------------------------------------------------------------------ Python
+
+static PyObject* Handler(PyObject*, PyObject*) {
+  return PyCapsule_New(reinterpret_cast<void*>(GPT2JaxRowDot), nullptr, nullptr);
+}
+
+static PyObject* Isa(PyObject*, PyObject*) {
+  return PyUnicode_FromString(rowdot::Pick().isa);
+}
+
+static PyObject* Usable(PyObject*, PyObject*) {
+  __builtin_cpu_init();
+  return PyBool_FromLong(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"));
+}
+
+static PyMethodDef kMethods[] = {
+    {"handler", Handler, METH_NOARGS, "The XLA FFI handler, as a capsule for jax.ffi.register_ffi_target."},
+    {"isa", Isa, METH_NOARGS, "Which instruction set the kernel runs with here: 'avx512' or 'avx2'."},
+    {"usable", Usable, METH_NOARGS, "Whether this CPU has what the kernel needs (AVX2 and FMA)."},
+    {nullptr, nullptr, 0, nullptr}};
+
+static PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_rowdot", "gpt2_jax's batch-invariant matmul kernel",
+                              -1, kMethods};
+
+PyMODINIT_FUNC PyInit__rowdot() { return PyModule_Create(&kModule); }

@@ -1,0 +1,161 @@
+// rowdot's arithmetic: tiles, blocks and the per-CPU choice of instructions (no XLA, no Python), so a
+// plain C++ program can time it too. rowdot.cc calls it from XLA's FFI.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+
+namespace rowdot {
+
+constexpr int64_t kRowBlock = 64;  // x rows per work item: a block of x stays in L2 while w streams past
+constexpr int64_t kColBlock = 66;  // w rows per work item
+
+// ---------------------------------------------------------------------------------------------- AVX-512
+
+__attribute__((target("avx2,fma"))) inline float Sum8(__m256 a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));  // i + (i + 4)
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));                                           // (0 + 2), (1 + 3)
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));                                       // 0 + 1
+  return _mm_cvtss_f32(s);
+}
+
+__attribute__((target("avx512f,avx2,fma"))) inline float Sum16(__m512 a) {
+  __m256 lo = _mm512_castps512_ps256(a);
+  __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
+  return Sum8(_mm256_add_ps(lo, hi));  // lane i + lane (i + 8), then as Sum8
+}
+
+// MR x rows against NR w rows: out[i * NR + j] = x[i] . w[j].
+template <int MR, int NR>
+__attribute__((target("avx512f,avx2,fma"))) void Tile512(const float* const* x, const float* const* w,
+                                                         int64_t K, float* out) {
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    __m512 wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = _mm512_loadu_ps(w[j] + k);
+    for (int i = 0; i < MR; ++i) {
+      __m512 xv = _mm512_loadu_ps(x[i] + k);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  if (k < K) {  // the last K % 16 products; absent lanes multiply zeros
+    __mmask16 m = static_cast<__mmask16>((1u << (K - k)) - 1);
+    __m512 wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = _mm512_maskz_loadu_ps(m, w[j] + k);
+    for (int i = 0; i < MR; ++i) {
+      __m512 xv = _mm512_maskz_loadu_ps(m, x[i] + k);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) out[i * NR + j] = Sum16(acc[i][j]);
+}
+
+// ------------------------------------------------------------------------------------------------- AVX2
+
+inline void LoadTail(const float* p, int64_t n, float* buf) {  // n < 16 floats, zero-filled to 16
+  for (int64_t l = 0; l < 16; ++l) buf[l] = l < n ? p[l] : 0.0f;
+}
+
+// One step of 16 k's: lanes 0-7 and 8-15 of each 16-lane accumulator in lo and hi.
+template <int MR, int NR>
+__attribute__((target("avx2,fma"))) inline void Step256(const float* const* x, const float* const* w,
+                                                        int64_t at, __m256 (&lo)[MR][NR], __m256 (&hi)[MR][NR]) {
+  __m256 wl[NR], wh[NR];
+  for (int j = 0; j < NR; ++j) wl[j] = _mm256_loadu_ps(w[j] + at), wh[j] = _mm256_loadu_ps(w[j] + at + 8);
+  for (int i = 0; i < MR; ++i) {
+    __m256 xl = _mm256_loadu_ps(x[i] + at), xh = _mm256_loadu_ps(x[i] + at + 8);
+    for (int j = 0; j < NR; ++j) {
+      lo[i][j] = _mm256_fmadd_ps(xl, wl[j], lo[i][j]);
+      hi[i][j] = _mm256_fmadd_ps(xh, wh[j], hi[i][j]);
+    }
+  }
+}
+
+template <int MR, int NR>
+__attribute__((target("avx2,fma"))) void Tile256(const float* const* x, const float* const* w, int64_t K,
+                                                 float* out) {
+  __m256 lo[MR][NR], hi[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) lo[i][j] = hi[i][j] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) Step256<MR, NR>(x, w, k, lo, hi);
+  if (k < K) {  // the last K % 16 products, from zero-filled copies
+    alignas(64) float xb[MR][16], wb[NR][16];
+    const float *xs[MR], *ws[NR];
+    for (int i = 0; i < MR; ++i) LoadTail(x[i] + k, K - k, xb[i]), xs[i] = xb[i];
+    for (int j = 0; j < NR; ++j) LoadTail(w[j] + k, K - k, wb[j]), ws[j] = wb[j];
+    Step256<MR, NR>(xs, ws, 0, lo, hi);
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) out[i * NR + j] = Sum8(_mm256_add_ps(lo[i][j], hi[i][j]));
+}
+
+// ------------------------------------------------------------------------------------- blocks and threads
+
+using TileFn = void (*)(const float* const*, const float* const*, int64_t, float*);
+
+struct Kernel {
+  const char* isa;
+  int mr, nr;
+  TileFn tiles[9];  // tiles[r]: r x rows (1 <= r <= mr) against nr w rows
+};
+
+inline const Kernel& Pick() {
+  static const Kernel k = [] {
+    __builtin_cpu_init();
+    // GPT2_JAX_ROWDOT_ISA=avx2 takes the AVX2 path on an AVX-512 CPU (the tests compare the two).
+    const char* isa = std::getenv("GPT2_JAX_ROWDOT_ISA");
+    bool force_avx2 = isa != nullptr && std::string(isa) == "avx2";
+    if (__builtin_cpu_supports("avx512f") && !force_avx2)
+      return Kernel{"avx512", 8, 3, {nullptr, Tile512<1, 3>, Tile512<2, 3>, Tile512<3, 3>, Tile512<4, 3>, Tile512<5, 3>,
+                           Tile512<6, 3>, Tile512<7, 3>, Tile512<8, 3>}};
+    return Kernel{"avx2", 2, 3, {nullptr, Tile256<1, 3>, Tile256<2, 3>}};
+  }();
+  return k;
+}
+
+struct Problem {
+  const float* x;
+  const float* w;
+  float* y;
+  int64_t M, N, K;
+};
+
+// Rows [m0, m1) x columns [n0, n1) of y. A short last tile repeats its last row or column (computed the
+// same way, then dropped), so every output goes through the same instructions.
+inline void Block(const Problem& p, const Kernel& kern, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+  float out[8 * 3];
+  const float* xs[8];
+  const float* ws[3];
+  for (int64_t n = n0; n < n1; n += kern.nr) {
+    int64_t nn = std::min<int64_t>(kern.nr, n1 - n);
+    for (int j = 0; j < kern.nr; ++j) ws[j] = p.w + (n + std::min<int64_t>(j, nn - 1)) * p.K;
+    for (int64_t m = m0; m < m1; m += kern.mr) {
+      int64_t mm = std::min<int64_t>(kern.mr, m1 - m);
+      for (int i = 0; i < mm; ++i) xs[i] = p.x + (m + i) * p.K;
+      kern.tiles[mm](xs, ws, p.K, out);
+      for (int i = 0; i < mm; ++i)
+        for (int j = 0; j < nn; ++j) p.y[(m + i) * p.N + n + j] = out[i * kern.nr + j];
+    }
+  }
+}
+
+// Work item i of a problem cut into row_blocks x column blocks.
+inline void Item(const Problem& p, int64_t row_blocks, int64_t i) {
+  int64_t rb = i % row_blocks, cb = i / row_blocks;
+  Block(p, Pick(), rb * kRowBlock, std::min(p.M, (rb + 1) * kRowBlock), cb * kColBlock,
+        std::min(p.N, (cb + 1) * kColBlock));
+}
+
+inline int64_t RowBlocks(const Problem& p) { return (p.M + kRowBlock - 1) / kRowBlock; }
+inline int64_t Items(const Problem& p) { return RowBlocks(p) * ((p.N + kColBlock - 1) / kColBlock); }
+
+}  // namespace rowdot
