@@ -71,6 +71,13 @@ def tap_normalized(tap, normalized: jax.Array, var_eps: jax.Array, T: int) -> ja
     return normalized.at[..., :T, :].set(tap("hook_normalized", normalized[..., :T, :]))
 
 
+def rowdot_fits(*operands: jax.Array) -> bool:
+    """Whether a product of these operands runs in gpt2_jax.kernels.rowdot: all float32, the kernel built
+    for this CPU, and no mesh (XLA cannot split a custom call; a sharded product is XLA's)."""
+    return (kernels.available() is not None and jax.sharding.get_abstract_mesh().empty
+            and all(a.dtype == F32 for a in operands))
+
+
 def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [..., in] @ w[out..., in] -> [..., out...] float32, as one matmul of the rows [M, in] (M = the
     leading dims) against w contracted on its last axis, so that a token's result does not depend on
@@ -87,10 +94,10 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     lead, out = x.shape[:-1], w.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     M = x2.shape[0]
+    if rowdot_fits(x2, w):
+        return kernels.rowdot(x2, w.reshape(-1, w.shape[-1])).reshape(*lead, *out)
     if not jax.sharding.get_abstract_mesh().empty:
         y = jnp.einsum("MI,...I->M...", x2, w, preferred_element_type=F32)
-    elif x2.dtype == F32 and w.dtype == F32 and kernels.available():
-        return kernels.rowdot(x2, w.reshape(-1, w.shape[-1])).reshape(*lead, *out)
     else:
         x2 = jnp.concatenate([x2, x2]) if M == 1 else x2
         y = jnp.einsum("MI,NI->MN", x2, w.reshape(-1, w.shape[-1]), preferred_element_type=F32)

@@ -54,14 +54,16 @@ def test_xla_matmul_rounds_one_row_differently_from_many_which_is_why_rowdot_exi
     assert (bits(rowdot(x[:1], w)) == bits(rowdot(x, w)[:1])).all()
 
 
-def test_vmap_over_either_operand_equals_a_loop():
+def test_leading_dims_and_vmap_over_either_operand_equal_a_loop():
     rng = np.random.default_rng(1)
     x = rng.standard_normal((3, 5, 768), np.float32)
     w = rng.standard_normal((3, 40, 768), np.float32)
     over_x = jax.vmap(rowdot, (0, None))(x, w[0])
     over_w = jax.vmap(rowdot, (None, 0))(x[0], w)
     both = jax.vmap(rowdot)(x, w)
+    batched = rowdot(x.reshape(3, 1, 5, 768), w.reshape(3, 1, 40, 768))  # shared leading dims: one call
     for i in range(3):
+        assert (bits(batched[i, 0]) == bits(rowdot(x[i], w[i]))).all()
         assert (bits(over_x[i]) == bits(rowdot(x[i], w[0]))).all()
         assert (bits(over_w[i]) == bits(rowdot(x[0], w[i]))).all()
         assert (bits(both[i]) == bits(rowdot(x[i], w[i]))).all()

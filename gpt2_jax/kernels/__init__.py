@@ -1,6 +1,7 @@
 """Compiled kernels: `rowdot`, the float32 matmul whose every output rounds the same way for any row count.
 
-    rowdot(x [M, I], w [N, I]) -> y [M, N] = x @ w.T    (float32; w as checkpoints hold it, [out, in])
+    rowdot(x [..., M, I], w [..., N, I]) -> y [..., M, N] = x @ w.T  (float32; w as checkpoints hold it,
+                                                                 [out, in]; w 2-D or with x's leading dims)
 
 Why: XLA's CPU matmul chooses its kernel, and so its rounding, by shape: one row, a few rows and many
 rows each round differently. A token's logits would then change with its batch, and a decode step
@@ -41,7 +42,7 @@ def available() -> str | None:
 
 
 def _einsum(x: jax.Array, w: jax.Array) -> jax.Array:
-    return jnp.einsum("MI,NI->MN", x, w, preferred_element_type=F32)
+    return jnp.matmul(x, jnp.swapaxes(w, -1, -2), preferred_element_type=F32)  # leading dims broadcast
 
 
 def _kernel(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -59,7 +60,8 @@ def _primal(x: jax.Array, w: jax.Array) -> jax.Array:
 
 @jax.custom_vjp
 def rowdot(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [M, I] float32 @ w [N, I].T float32 -> [M, N] float32, each output rounded the same way for any M."""
+    """x [..., M, I] float32 @ w [..., N, I].T float32 -> [..., M, N] float32, each output rounded the same
+    way for any M. w is 2-D (shared by every leading index of x) or has x's leading dims."""
     return _primal(x, w)
 
 
@@ -69,8 +71,9 @@ def _fwd(x, w):
 
 def _bwd(res, g):
     x, w = res
-    return (jnp.einsum("MN,NI->MI", g, w, preferred_element_type=F32).astype(x.dtype),
-            jnp.einsum("MN,MI->NI", g, x, preferred_element_type=F32).astype(w.dtype))
+    dw = "...MN,...MI->NI" if w.ndim == 2 else "...MN,...MI->...NI"  # a shared w sums over the batch
+    return (jnp.einsum("...MN,...NI->...MI", g, w, preferred_element_type=F32).astype(x.dtype),
+            jnp.einsum(dw, g, x, preferred_element_type=F32).astype(w.dtype))
 
 
 rowdot.defvjp(_fwd, _bwd)

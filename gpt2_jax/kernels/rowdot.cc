@@ -29,27 +29,33 @@ namespace {
 
 using rowdot::Problem;
 
+// `batch` problems of the same shape, problem b at x + b * x_step, w + b * w_step, y + b * M * N.
 struct Shared {
-  Problem p;
-  int64_t row_blocks, items;
+  Problem p;  // problem 0
+  int64_t batch, x_step, w_step;
+  int64_t row_blocks, per_problem, items;
   std::atomic<int64_t> next{0}, done{0};
 };
 
 void Work(Shared& s) {
   for (int64_t i; (i = s.next.fetch_add(1, std::memory_order_relaxed)) < s.items;) {
-    rowdot::Item(s.p, s.row_blocks, i);
+    int64_t b = i / s.per_problem;
+    Problem p = s.p;
+    p.x += b * s.x_step, p.w += b * s.w_step, p.y += b * p.M * p.N;
+    rowdot::Item(p, s.row_blocks, i % s.per_problem);
     s.done.fetch_add(1, std::memory_order_release);
   }
 }
 
-// The work items go to XLA's own intra-op threads and this one. The caller waits only for items some
-// thread has claimed, so a task the pool starts late finds nothing left and returns.
-void Run(ffi::ThreadPool& pool, const Problem& p) {
-  if (p.M == 0 || p.N == 0) return;
+// Every problem's work items in one list, shared by XLA's own intra-op threads and this one. The caller
+// waits only for items some thread has claimed, so a task the pool starts late finds nothing left.
+void Run(ffi::ThreadPool& pool, const Problem& p, int64_t batch, int64_t x_step, int64_t w_step) {
+  if (p.M == 0 || p.N == 0 || batch == 0) return;
   auto s = std::make_shared<Shared>();
-  s->p = p;
+  s->p = p, s->batch = batch, s->x_step = x_step, s->w_step = w_step;
   s->row_blocks = rowdot::RowBlocks(p);
-  s->items = rowdot::Items(p);
+  s->per_problem = rowdot::Items(p);
+  s->items = batch * s->per_problem;
   int64_t helpers = std::min<int64_t>(pool.num_threads(), s->items) - 1;
   for (int64_t t = 0; t < helpers; ++t) pool.Schedule([s] { Work(*s); });
   Work(*s);
@@ -69,14 +75,12 @@ ffi::Error RowDotImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
     return ffi::Error::InvalidArgument("rowdot: x [..., M, K] and w [..., N, K] must share K");
   int64_t K = xd.back(), M = xd[xd.size() - 2], N = wd[wd.size() - 2];
   int64_t xb = Lead(xd), wb = Lead(wd);
-  const float* xp = x.typed_data();
-  const float* wp = w.typed_data();
-  float* yp = y->typed_data();
+  Problem p{x.typed_data(), w.typed_data(), y->typed_data(), M, N, K};
   if (wb == 1) {  // one weight for every batch entry: all of x's rows in one problem
-    Run(pool, Problem{xp, wp, yp, xb * M, N, K});
+    p.M = xb * M;
+    Run(pool, p, 1, 0, 0);
   } else if (xb == wb || xb == 1) {
-    for (int64_t b = 0; b < wb; ++b)
-      Run(pool, Problem{xp + (xb == 1 ? 0 : b * M * K), wp + b * N * K, yp + b * M * N, M, N, K});
+    Run(pool, p, wb, xb == 1 ? 0 : M * K, N * K);
   } else {
     return ffi::Error::InvalidArgument("rowdot: leading dims of x and w must match or be 1");
   }

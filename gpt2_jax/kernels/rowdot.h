@@ -32,14 +32,18 @@ __attribute__((target("avx512f,avx2,fma"))) inline float Sum16(__m512 a) {
 // MR x rows against NR w rows: out[i * NR + j] = x[i] . w[j].
 template <int MR, int NR>
 __attribute__((target("avx512f,avx2,fma"))) void Tile512(const float* const* x, const float* const* w,
-                                                         int64_t K, float* out) {
+                                                         int64_t K, float* out,
+                                                         int64_t ahead) {
   __m512 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 16 <= K; k += 16) {
     __m512 wv[NR];
-    for (int j = 0; j < NR; ++j) wv[j] = _mm512_loadu_ps(w[j] + k);
+    for (int j = 0; j < NR; ++j) {
+      if (ahead) _mm_prefetch(reinterpret_cast<const char*>(w[j] + ahead + k), _MM_HINT_T1);
+      wv[j] = _mm512_loadu_ps(w[j] + k);
+    }
     for (int i = 0; i < MR; ++i) {
       __m512 xv = _mm512_loadu_ps(x[i] + k);
       for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
@@ -67,9 +71,13 @@ inline void LoadTail(const float* p, int64_t n, float* buf) {  // n < 16 floats,
 // One step of 16 k's: lanes 0-7 and 8-15 of each 16-lane accumulator in lo and hi.
 template <int MR, int NR>
 __attribute__((target("avx2,fma"))) inline void Step256(const float* const* x, const float* const* w,
-                                                        int64_t at, __m256 (&lo)[MR][NR], __m256 (&hi)[MR][NR]) {
+                                                        int64_t at, __m256 (&lo)[MR][NR], __m256 (&hi)[MR][NR],
+                                                        int64_t ahead) {
   __m256 wl[NR], wh[NR];
-  for (int j = 0; j < NR; ++j) wl[j] = _mm256_loadu_ps(w[j] + at), wh[j] = _mm256_loadu_ps(w[j] + at + 8);
+  for (int j = 0; j < NR; ++j) {
+    if (ahead) _mm_prefetch(reinterpret_cast<const char*>(w[j] + ahead + at), _MM_HINT_T1);
+    wl[j] = _mm256_loadu_ps(w[j] + at), wh[j] = _mm256_loadu_ps(w[j] + at + 8);
+  }
   for (int i = 0; i < MR; ++i) {
     __m256 xl = _mm256_loadu_ps(x[i] + at), xh = _mm256_loadu_ps(x[i] + at + 8);
     for (int j = 0; j < NR; ++j) {
@@ -81,18 +89,19 @@ __attribute__((target("avx2,fma"))) inline void Step256(const float* const* x, c
 
 template <int MR, int NR>
 __attribute__((target("avx2,fma"))) void Tile256(const float* const* x, const float* const* w, int64_t K,
-                                                 float* out) {
+                                                 float* out,
+                                                 int64_t ahead) {
   __m256 lo[MR][NR], hi[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) lo[i][j] = hi[i][j] = _mm256_setzero_ps();
   int64_t k = 0;
-  for (; k + 16 <= K; k += 16) Step256<MR, NR>(x, w, k, lo, hi);
+  for (; k + 16 <= K; k += 16) Step256<MR, NR>(x, w, k, lo, hi, ahead);
   if (k < K) {  // the last K % 16 products, from zero-filled copies
     alignas(64) float xb[MR][16], wb[NR][16];
     const float *xs[MR], *ws[NR];
     for (int i = 0; i < MR; ++i) LoadTail(x[i] + k, K - k, xb[i]), xs[i] = xb[i];
     for (int j = 0; j < NR; ++j) LoadTail(w[j] + k, K - k, wb[j]), ws[j] = wb[j];
-    Step256<MR, NR>(xs, ws, 0, lo, hi);
+    Step256<MR, NR>(xs, ws, 0, lo, hi, 0);
   }
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) out[i * NR + j] = Sum8(_mm256_add_ps(lo[i][j], hi[i][j]));
@@ -100,7 +109,7 @@ __attribute__((target("avx2,fma"))) void Tile256(const float* const* x, const fl
 
 // ------------------------------------------------------------------------------------- blocks and threads
 
-using TileFn = void (*)(const float* const*, const float* const*, int64_t, float*);
+using TileFn = void (*)(const float* const*, const float* const*, int64_t, float*, int64_t);
 
 struct Kernel {
   const char* isa;
@@ -130,8 +139,12 @@ struct Problem {
 };
 
 // Rows [m0, m1) x columns [n0, n1) of y. A short last tile repeats its last row or column (computed the
-// same way, then dropped), so every output goes through the same instructions.
+// same way, then dropped), so every output goes through the same instructions. The first row tile of
+// each column tile prefetches the next column tile's w rows into L2 as it goes: the hardware prefetcher
+// alone leaves memory idle while a few-row tile computes (measured: 16 -> 27 GB/s at 8 rows, 29 -> 38 at
+// 1, 2 threads, on a 2-core AMD EPYC).
 inline void Block(const Problem& p, const Kernel& kern, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+  const int64_t ahead = kern.nr * p.K;  // floats from a w row to the same k in the next tile's row
   float out[8 * 3];
   const float* xs[8];
   const float* ws[3];
@@ -141,7 +154,7 @@ inline void Block(const Problem& p, const Kernel& kern, int64_t m0, int64_t m1, 
     for (int64_t m = m0; m < m1; m += kern.mr) {
       int64_t mm = std::min<int64_t>(kern.mr, m1 - m);
       for (int i = 0; i < mm; ++i) xs[i] = p.x + (m + i) * p.K;
-      kern.tiles[mm](xs, ws, p.K, out);
+      kern.tiles[mm](xs, ws, p.K, out, m == m0 ? ahead : 0);
       for (int i = 0; i < mm; ++i)
         for (int j = 0; j < nn; ++j) p.y[(m + i) * p.N + n + j] = out[i * kern.nr + j];
     }
