@@ -103,7 +103,7 @@ static PyObject* Handler(PyObject*, PyObject*) {
 }
 
 static PyObject* Isa(PyObject*, PyObject*) {
-  return PyUnicode_FromString(rowdot::Pick().isa);
+  return PyUnicode_FromString(rowdot::Pick().few.isa);
 }
 
 static PyObject* Usable(PyObject*, PyObject*) {
