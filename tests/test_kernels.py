@@ -112,3 +112,19 @@ def test_model_matmuls_go_through_rowdot():
     expect = rowdot(x.reshape(6, 768), w.reshape(12, 768)).reshape(2, 3, 3, 4)
     assert (bits(y) == bits(expect)).all()
     assert (bits(jax.jit(matmul)(x[:1, :1], w)) == bits(expect[:1, :1])).all()
+
+
+def test_without_the_kernel_matmul_is_xla_in_its_row_count_independent_form(monkeypatch):
+    """The fallback (no compiler at install, or a CPU without AVX2): XLA's matmul, with a lone row
+    computed as two, still gives a row the same bits alone as among others."""
+    from gpt2_jax.layers import matmul
+
+    monkeypatch.setattr(kernels, "_REGISTERED", False)
+    assert kernels.available() is None
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((9, 768), np.float32)
+    w = rng.standard_normal((64, 768), np.float32)
+    many = jax.jit(lambda a, b: matmul(a, b))(x, w)
+    one = jax.jit(lambda a, b: matmul(a, b))(x[:1], w)
+    assert (bits(one) == bits(many[:1])).all()
+    np.testing.assert_allclose(many, x.astype(np.float64) @ w.T, rtol=1e-4, atol=1e-3)
