@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from gpt2_jax.config import GPT2Config
+from gpt2_jax.kernels import Entry
 from gpt2_jax.sharding import constrain
 
 
@@ -46,10 +47,10 @@ class CacheView(NamedTuple):
         """Layer `layer`'s new k, v [B, H, T, K] into their slots (in place)."""
         return self._replace(k=write_rows(self.k, layer, k, self.start, 3), v=write_rows(self.v, layer, v, self.start, 4))
 
-    def read(self, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Layer `layer`'s keys [B, H, S, K] and values [B, H, K, S]."""
-        return (jax.lax.dynamic_index_in_dim(self.k, layer, keepdims=False),
-                jax.lax.dynamic_index_in_dim(self.v, layer, keepdims=False))  # fmt: skip
+    def read(self, layer: jax.Array) -> tuple[Entry, Entry]:
+        """Layer `layer`'s keys [B, H, S, K] and values [B, H, K, S], as entries of the stacked cache that
+        attention reads in place (kernels.Entry; .get() gives a copy)."""
+        return Entry(self.k, layer), Entry(self.v, layer)
 
 
 def write_rows(cache: jax.Array, layer: jax.Array, new: jax.Array, start: jax.Array, axis: int) -> jax.Array:

@@ -185,53 +185,77 @@ def causal_mask(T: int) -> jax.Array:
 KEY_BLOCK = 128  # keys are scored in blocks of this many slots (see attend)
 
 
-def attend(q: jax.Array, k: jax.Array, vt: jax.Array, mask: jax.Array, scale: jax.Array,
+def attend(q: jax.Array, k, vt, mask: jax.Array, scale: jax.Array,
            key: jax.Array | None = None, rate: float = 0.0, tap=None) -> jax.Array:
     """q [B, H, T, K] over keys k [B, H, S, K] and values vt [B, H, K, S] (transposed) where mask
-    [B or 1, T, S] allows -> [B, H, T, K].
+    [B or 1, T, S] allows -> [B, H, T, K]. k and vt may be kernels.Entry (a layer of the KV cache,
+    read in place).
 
     Built so that a query's result is the same bits whatever else is computed with it, and however
-    many key slots follow its own (a forward over T tokens vs a cache of S slots): keys are padded to
-    whole blocks of KEY_BLOCK slots and scored block by block (a fixed matmul shape), each block's
+    many key slots follow its own (a forward over T tokens vs a cache of S slots): each score is one
+    dot product (see block_scores), the slots are grouped in whole blocks of KEY_BLOCK, each block's
     softmax mass is summed alone and the blocks' sums added in order, so masked slots add exact zeros;
-    the values are held transposed, the layout in which the weighted sum's kernel ignores S. A decode
-    step's single query is padded with copies of itself (see matmul and MIN_REDUCE). Head-major
-    operands keep (B, H) as the leading batch dims: the cache is never transposed.
+    each output of the weighted sum is one dot product over the slots (see weighted_values), to which
+    masked slots add exact zeros too. A decode step's single query is padded with copies of itself so
+    the softmax's reductions take XLA's large-input path (see MIN_REDUCE). Head-major operands keep
+    (B, H) as the leading batch dims: the cache is never transposed.
     Hook points: hook_attn_scores [B, H, T, S] (see tap_scores) and hook_pattern, the weights' real
     [T, S] corner (a padded query's row or a padded slot's column is never shown)."""
     B, H, T, K = q.shape
     S = k.shape[2]
     n = -(-S // KEY_BLOCK)
-    pad = n * KEY_BLOCK - S
+    Sp = n * KEY_BLOCK
     mask = jnp.broadcast_to(mask, (mask.shape[0], T, S))
-    if pad:
-        k = jnp.pad(k, ((0, 0), (0, 0), (0, pad), (0, 0)))
-        vt = jnp.pad(vt, ((0, 0), (0, 0), (0, 0), (0, pad)))
-        mask = jnp.pad(mask, ((0, 0), (0, 0), (0, pad)))
-    # At least 2 queries (matmul), and enough (query, block) rows for the softmax's reductions.
-    Tq = max(2, T, -(-MIN_REDUCE // (B * H * n * KEY_BLOCK)))
+    # Enough (query, slot) elements for the softmax's reductions; XLA's matmul also needs 2 queries.
+    Tq = max(T, -(-MIN_REDUCE // (B * H * Sp)), 1 if rowdot_fits(q, k, vt) else 2)
     if Tq > T:
         q = jnp.pad(q, ((0, 0), (0, 0), (0, Tq - T), (0, 0)), mode="edge")
         mask = jnp.pad(mask, ((0, 0), (0, Tq - T), (0, 0)), mode="edge")
-    Sp = n * KEY_BLOCK
-    qb = jnp.broadcast_to(q[:, :, None], (B, H, n, Tq, K))  # each block's matmul gets its own operand
-    kb = k.reshape(B, H, n, KEY_BLOCK, K)
-    scores = jnp.einsum("BHNTK,BHNCK->BHNTC", qb, kb, preferred_element_type=F32) * scale
-    blocked = mask.reshape(mask.shape[0], Tq, n, KEY_BLOCK).transpose(0, 2, 1, 3)[:, None]  # [B, 1, N, T, C]
+    scores = block_scores(q, k, n) * scale  # [B, H, T', N, C]
+    blocked = jnp.pad(mask, ((0, 0), (0, 0), (0, Sp - S))).reshape(mask.shape[0], 1, Tq, n, KEY_BLOCK)
     scores = jnp.where(blocked, scores, NEG_INF)
     if tap is not None:
         scores = tap_scores(tap, scores, blocked, mask[:, :T, :S])
-    e = jnp.exp(scores - jnp.max(scores, axis=(2, 4), keepdims=True))
-    block_sums = e.sum(axis=-1)  # [B, H, N, T]
-    total = block_sums[:, :, 0]
+    e = jnp.exp(scores - jnp.max(scores, axis=(3, 4), keepdims=True))
+    block_sums = e.sum(axis=-1)  # [B, H, T', N]
+    total = block_sums[..., 0]
     for j in range(1, n):  # in block order, so blocks past the last key add exact zeros
-        total = total + block_sums[:, :, j]
-    weights = dropout(e / total[:, :, None, :, None], rate, key)
-    weights = weights.transpose(0, 1, 3, 2, 4).reshape(B, H, Tq, Sp)
+        total = total + block_sums[..., j]
+    weights = dropout(e / total[..., None, None], rate, key).reshape(B, H, Tq, Sp)
     if tap is not None:
         weights = weights.at[:, :, :T, :S].set(tap("hook_pattern", weights[:, :, :T, :S]))
-    out = jnp.einsum("BHTS,BHKS->BHTK", weights.astype(vt.dtype), vt, preferred_element_type=F32)
-    return out[:, :, :T]
+    return weighted_values(weights, vt)[:, :, :T]
+
+
+def _array(a) -> jax.Array:
+    return a.get() if isinstance(a, kernels.Entry) else a
+
+
+def block_scores(q: jax.Array, k, n: int) -> jax.Array:
+    """q [B, H, T, K] . k [B, H, S, K] -> scores [B, H, T, N, C] over n blocks of C = KEY_BLOCK slots
+    (slots past S hold zeros). With rowdot each score is one dot product over K, whatever T and S;
+    XLA's matmul instead gets one fixed [T, C] shape per block (each block its own operand), as its
+    kernel changes with S."""
+    B, H, T, K = q.shape
+    S, Sp = k.shape[2], n * KEY_BLOCK
+    if rowdot_fits(q, k):
+        scores = jnp.pad(kernels.rowdot(q, k), ((0, 0), (0, 0), (0, 0), (0, Sp - S)))
+        return scores.reshape(B, H, T, n, KEY_BLOCK)
+    kb = jnp.pad(_array(k), ((0, 0), (0, 0), (0, Sp - S), (0, 0))).reshape(B, H, n, KEY_BLOCK, K)
+    qb = jnp.broadcast_to(q[:, :, None], (B, H, n, T, K))
+    scores = jnp.einsum("BHNTK,BHNCK->BHNTC", qb, kb.astype(q.dtype), preferred_element_type=F32)
+    return scores.transpose(0, 1, 3, 2, 4)
+
+
+def weighted_values(weights: jax.Array, vt) -> jax.Array:
+    """weights [B, H, T, S'] (S' >= S: slots past S weigh 0) . values vt [B, H, K, S] -> [B, H, T, K]:
+    one dot product over the slots per output (rowdot), or XLA's matmul over the padded slots, the
+    layout in which its kernel ignores S."""
+    S, Sp = vt.shape[-1], weights.shape[-1]
+    if rowdot_fits(weights, vt):
+        return kernels.rowdot(weights[..., :S], vt)
+    vt = jnp.pad(_array(vt), ((0, 0), (0, 0), (0, 0), (0, Sp - S)))
+    return jnp.einsum("BHTS,BHKS->BHTK", weights.astype(vt.dtype), vt, preferred_element_type=F32)
 
 
 def attend_causal(q: jax.Array, k: jax.Array, v: jax.Array, scale: jax.Array, key: jax.Array | None = None,
@@ -252,16 +276,16 @@ def attend_causal(q: jax.Array, k: jax.Array, v: jax.Array, scale: jax.Array, ke
 
 
 def tap_scores(tap, scores: jax.Array, blocked: jax.Array, mask: jax.Array) -> jax.Array:
-    """Blocked scores [B, H, N, T', C] (padded: T' >= T queries, N x C >= S slots) through
+    """Blocked scores [B, H, T', N, C] (padded: T' >= T queries, N x C >= S slots) through
     hook_attn_scores as TransformerLens shows them, [B, H, T, S] with -inf where masked. Back in the
     blocked layout, masked slots stay the finite NEG_INF (and an edit's -inf becomes it), so a row
     the edit masks entirely gives a uniform softmax, not NaN; unmasked values are returned as given."""
-    B, H, N, Tq, C = scores.shape
+    B, H, Tq, N, C = scores.shape
     T, S = mask.shape[-2:]
-    flat = scores.transpose(0, 1, 3, 2, 4).reshape(B, H, Tq, N * C)  # [B, H, T', N x C]
+    flat = scores.reshape(B, H, Tq, N * C)
     shown = jnp.where(mask[:, None], flat[:, :, :T, :S], -jnp.inf)
     flat = flat.at[:, :, :T, :S].set(jnp.maximum(tap("hook_attn_scores", shown), NEG_INF))
-    return jnp.where(blocked, flat.reshape(B, H, Tq, N, C).transpose(0, 1, 3, 2, 4), NEG_INF)
+    return jnp.where(blocked, flat.reshape(B, H, Tq, N, C), NEG_INF)
 
 
 def heads_view(tap, name: str, x: jax.Array) -> jax.Array:

@@ -5,10 +5,10 @@
 
 Why: XLA's CPU matmul chooses its kernel, and so its rounding, by shape: one row, a few rows and many
 rows each round differently. A token's logits would then change with its batch, and a decode step
-(M = B rows) would not reproduce a forward over the same sequence (M = B x T rows). rowdot (C++,
-gpt2_jax/kernels/rowdot.cc, called through XLA's FFI) computes each output as one dot product by the
-same instructions whatever M is, and streams the weights at close to the memory's speed for a decode
-step's few rows.
+(M = B rows) would not reproduce a forward over the same sequence (M = B x T rows). rowdot (C++:
+the arithmetic in rowdot.h, called from rowdot.cc through XLA's FFI on XLA's own threads) computes each
+output as one dot product by the same instructions whatever M is, and streams the weights at close to
+the memory's speed for a decode step's few rows.
 
 Where it does not apply, `rowdot` is XLA's einsum: on GPU/TPU, inside a mesh (see layers.matmul) and
 where the extension was not built (no C++ compiler at install time) or the CPU lacks AVX2/FMA.
@@ -17,6 +17,8 @@ bitwise across batch shapes.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +34,28 @@ except ImportError:  # built without a compiler: XLA's matmul everywhere
 _REGISTERED = False
 if _rowdot is not None and _rowdot.usable():
     jax.ffi.register_ffi_target(TARGET, _rowdot.handler(), platform="cpu")
+    jax.ffi.register_ffi_target(TARGET + "_at", _rowdot.handler_at(), platform="cpu")
     _REGISTERED = True
+
+
+class Entry(NamedTuple):
+    """Entry `index` of a stacked array, e.g. one layer of the KV cache, as rowdot's w: the kernel reads
+    it where it lies, where slicing it out first (any XLA op on it) would copy it."""
+
+    stacked: jax.Array  # [L, ...]
+    index: jax.Array  # [] int32
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.stacked.shape[1:]
+
+    @property
+    def dtype(self):
+        return self.stacked.dtype
+
+    def get(self) -> jax.Array:
+        """The entry as an array of its own (a copy)."""
+        return jax.lax.dynamic_index_in_dim(self.stacked, self.index, keepdims=False)
 
 
 def available() -> str | None:
@@ -58,10 +81,31 @@ def _primal(x: jax.Array, w: jax.Array) -> jax.Array:
     return jax.lax.platform_dependent(x, w, cpu=_kernel, default=_einsum)
 
 
-@jax.custom_vjp
-def rowdot(x: jax.Array, w: jax.Array) -> jax.Array:
+def rowdot(x: jax.Array, w: jax.Array | Entry) -> jax.Array:
     """x [..., M, I] float32 @ w [..., N, I].T float32 -> [..., M, N] float32, each output rounded the same
-    way for any M. w is 2-D (shared by every leading index of x) or has x's leading dims."""
+    way for any M. w is 2-D (shared by every leading index of x) or has x's leading dims; an Entry is
+    read in place (not differentiable: it serves the KV cache)."""
+    if isinstance(w, Entry):
+        return _entry(x, w)
+    return _dense(x, w)
+
+
+def _entry(x: jax.Array, w: Entry) -> jax.Array:
+    def kernel(x, stacked, index):
+        out = jax.ShapeDtypeStruct((*x.shape[:-1], stacked.shape[-2]), F32)
+        return jax.ffi.ffi_call(TARGET + "_at", out, vmap_method="sequential")(x, stacked, index)
+
+    def other(x, stacked, index):
+        return _einsum(x, Entry(stacked, index).get())
+
+    index = jnp.asarray(w.index, jnp.int32)
+    if not _REGISTERED:
+        return other(x, w.stacked, index)
+    return jax.lax.platform_dependent(x, w.stacked, index, cpu=kernel, default=other)
+
+
+@jax.custom_vjp
+def _dense(x: jax.Array, w: jax.Array) -> jax.Array:
     return _primal(x, w)
 
 
@@ -76,4 +120,4 @@ def _bwd(res, g):
             jnp.einsum(dw, g, x, preferred_element_type=F32).astype(w.dtype))
 
 
-rowdot.defvjp(_fwd, _bwd)
+_dense.defvjp(_fwd, _bwd)

@@ -62,20 +62,20 @@ void Run(ffi::ThreadPool& pool, const Problem& p, int64_t batch, int64_t x_step,
   while (s->done.load(std::memory_order_acquire) < s->items) std::this_thread::yield();
 }
 
-int64_t Lead(ffi::Span<const int64_t> dims) {
-  int64_t n = 1;
-  for (size_t d = 0; d + 2 < dims.size(); ++d) n *= dims[d];
-  return n;
+int64_t Product(const int64_t* dims, size_t n) {
+  int64_t p = 1;
+  for (size_t d = 0; d < n; ++d) p *= dims[d];
+  return p;
 }
 
-ffi::Error RowDotImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                      ffi::ResultBuffer<ffi::F32> y) {
-  auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() < 2 || wd.size() < 2 || xd.back() != wd.back())
+// y = x . w over the last axis; x dims xd (rank xn >= 2), w dims wd (rank wn >= 2).
+ffi::Error Multiply(ffi::ThreadPool& pool, const float* xp, const int64_t* xd, size_t xn, const float* wp,
+                    const int64_t* wd, size_t wn, float* yp) {
+  if (xn < 2 || wn < 2 || xd[xn - 1] != wd[wn - 1])
     return ffi::Error::InvalidArgument("rowdot: x [..., M, K] and w [..., N, K] must share K");
-  int64_t K = xd.back(), M = xd[xd.size() - 2], N = wd[wd.size() - 2];
-  int64_t xb = Lead(xd), wb = Lead(wd);
-  Problem p{x.typed_data(), w.typed_data(), y->typed_data(), M, N, K};
+  int64_t K = xd[xn - 1], M = xd[xn - 2], N = wd[wn - 2];
+  int64_t xb = Product(xd, xn - 2), wb = Product(wd, wn - 2);
+  Problem p{xp, wp, yp, M, N, K};
   if (wb == 1) {  // one weight for every batch entry: all of x's rows in one problem
     p.M = xb * M;
     Run(pool, p, 1, 0, 0);
@@ -87,6 +87,25 @@ ffi::Error RowDotImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   return ffi::Error::Success();
 }
 
+ffi::Error RowDotImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                      ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  return Multiply(pool, x.typed_data(), xd.begin(), xd.size(), w.typed_data(), wd.begin(), wd.size(),
+                  y->typed_data());
+}
+
+// The same with w entry `index` of a stacked [L, ..., N, K] array (a layer of the KV cache), read where
+// it lies: slicing it out first would copy it. The index is clamped into [0, L), as XLA's slicing does.
+ffi::Error RowDotAtImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> stacked,
+                        ffi::Buffer<ffi::S32> index, ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), sd = stacked.dimensions();
+  if (sd.size() < 3) return ffi::Error::InvalidArgument("rowdot_at: stacked must be [L, ..., N, K]");
+  int64_t L = sd[0], i = std::clamp<int64_t>(index.typed_data()[0], 0, L - 1);
+  const float* w = stacked.typed_data() + i * Product(sd.begin() + 1, sd.size() - 1);
+  return Multiply(pool, x.typed_data(), xd.begin(), xd.size(), w, sd.begin() + 1, sd.size() - 1,
+                  y->typed_data());
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GPT2JaxRowDot, RowDotImpl,
@@ -96,10 +115,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GPT2JaxRowDot, RowDotImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GPT2JaxRowDotAt, RowDotAtImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
 // ------------------------------------------------------------------------------------------------ Python
 
 static PyObject* Handler(PyObject*, PyObject*) {
   return PyCapsule_New(reinterpret_cast<void*>(GPT2JaxRowDot), nullptr, nullptr);
+}
+
+static PyObject* HandlerAt(PyObject*, PyObject*) {
+  return PyCapsule_New(reinterpret_cast<void*>(GPT2JaxRowDotAt), nullptr, nullptr);
 }
 
 static PyObject* Isa(PyObject*, PyObject*) {
@@ -113,6 +144,7 @@ static PyObject* Usable(PyObject*, PyObject*) {
 
 static PyMethodDef kMethods[] = {
     {"handler", Handler, METH_NOARGS, "The XLA FFI handler, as a capsule for jax.ffi.register_ffi_target."},
+    {"handler_at", HandlerAt, METH_NOARGS, "The handler of the variant reading one entry of a stacked w."},
     {"isa", Isa, METH_NOARGS, "Which instruction set the kernel runs with here: 'avx512' or 'avx2'."},
     {"usable", Usable, METH_NOARGS, "Whether this CPU has what the kernel needs (AVX2 and FMA)."},
     {nullptr, nullptr, 0, nullptr}};
