@@ -128,3 +128,17 @@ def test_without_the_kernel_matmul_is_xla_in_its_row_count_independent_form(monk
     one = jax.jit(lambda a, b: matmul(a, b))(x[:1], w)
     assert (bits(one) == bits(many[:1])).all()
     np.testing.assert_allclose(many, x.astype(np.float64) @ w.T, rtol=1e-4, atol=1e-3)
+
+
+def test_an_entry_of_a_stacked_array_is_read_in_place_with_the_same_bits_as_its_slice():
+    """kernels.Entry (a layer of the KV cache): the same product as on the sliced-out layer, bit for bit,
+    for every layer, with an out-of-range index clamped as XLA's slicing clamps it."""
+    from gpt2_jax.kernels import Entry
+
+    rng = np.random.default_rng(6)
+    stacked = rng.standard_normal((3, 2, 4, 40, 64), np.float32)  # [L, B, H, S, K], like the key cache
+    q = rng.standard_normal((2, 4, 5, 64), np.float32)
+    f = jax.jit(lambda a, s, i: rowdot(a, Entry(s, i)))
+    for layer in (0, 1, 2):
+        assert (bits(f(q, stacked, jnp.int32(layer))) == bits(rowdot(q, stacked[layer]))).all()
+    assert (bits(f(q, stacked, jnp.int32(7))) == bits(rowdot(q, stacked[2]))).all()
