@@ -96,6 +96,14 @@ class Server:
     def log(self):
         return "".join(self.lines)
 
+    def logged(self, pattern, timeout=10):
+        """The first match of `pattern` in the log, waiting for it: the server writes its line before the
+        response goes out, but this process's reader thread may not have appended it yet."""
+        deadline = time.monotonic() + timeout
+        while (m := re.search(pattern, self.log())) is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return m
+
     def stop(self):
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -212,7 +220,7 @@ def test_health_models_and_metrics(server):
     assert m['gpt2_jax_time_to_first_token_seconds_bucket{le="+Inf"}'] >= 1
     assert m["gpt2_jax_request_latency_seconds_count"] >= 1
     assert m['gpt2_jax_requests_total{status="200"}'] >= 1
-    assert re.search(r"cmpl-\w+ 200 prompt_tokens=3 completion_tokens=5 finish=length latency=", server.log())
+    assert server.logged(r"cmpl-\w+ 200 prompt_tokens=3 completion_tokens=5 finish=length latency="), server.log()
 
 
 # ---- determinism: the bits of generate ---------------------------------------------------------------------
@@ -457,7 +465,7 @@ def test_a_dropped_stream_frees_its_slot(server, model):
     assert server.metrics()["gpt2_jax_active_slots"] == 0
     resp = plain(client.completions.create(model=MODEL, prompt="To be", max_tokens=10, seed=21, logprobs=0))
     assert_matches(resp[0], expected(model, model[2].encode("To be"), 21, 0, 10), model[2])
-    assert "(client went away)" in server.log()
+    assert server.logged(r"\(client went away\)"), server.log()
 
 
 # ---- shutdown (last: it stops the module's server) -------------------------------------------------------------
@@ -473,7 +481,7 @@ def test_sigterm_fails_requests_in_flight_and_exits_0_with_the_port_free(server)
     assert server.proc.wait(timeout=30) == 0
     took = time.monotonic() - t0
     assert took < 10, f"took {took:.1f} s to exit"
-    assert "gpt2-jax serve: stopped" in server.log()
+    assert server.logged("gpt2-jax serve: stopped"), server.log()
     with socket.socket() as s:  # nothing listens on the port: a new server can take it (TIME_WAITs may remain)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", server.port))
