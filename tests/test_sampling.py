@@ -137,6 +137,40 @@ def test_ties_at_the_top_p_boundary():
     np.testing.assert_allclose(np.sort(ours, -1), np.sort(ref, -1), atol=1e-6)
 
 
+@pytest.mark.parametrize("v", [64, 50257])
+def test_tied_survivors_are_those_of_a_stable_ascending_sort(v):
+    # A numpy reference with token ids: stable ascending argsort, softmax and cumulative sum in float64
+    # (rounded to float32, as torch accumulates), drop the prefix whose mass is <= 1 - top_p. The filter
+    # sorts values only (integer keys); the tied tokens it keeps at the boundary must be these same ids.
+    rng = np.random.default_rng(7)
+    logits = rng.integers(0, 4, (6, v)).astype(np.float32)  # four values: every boundary falls in a tie
+    top_p = np.array([0.3, 0.5, 0.6, 0.75, 0.9, 0.97], np.float32)
+    ours = probs(logits, top_p=top_p) > 0
+    split = 0
+    for i in range(len(logits)):
+        order = np.argsort(logits[i], kind="stable")
+        p = np.exp(logits[i][order].astype(np.float64) - logits[i].max())
+        cum = np.cumsum(p / p.sum()).astype(np.float32)
+        keep = ~(cum <= np.float32(1 - top_p[i]))
+        keep[-1] = True
+        expected = np.zeros(v, bool)
+        expected[order[keep]] = True
+        np.testing.assert_array_equal(ours[i], expected, err_msg=f"row {i}, top_p {top_p[i]}")
+        tied = logits[i] == logits[i][order[keep]].min()
+        split += 0 < (expected & tied).sum() < tied.sum()
+    assert split >= 4, "the boundary must split a tie in most rows for this test to bite"
+
+
+def test_sort_key_is_the_total_order_of_floats():
+    expected = np.array([-np.inf, -1e38, -3.5, -2.0, -1e-45, -0.0, 0.0, 1e-45, 2.0, 3.5, 1e38, np.inf], np.float32)
+    x = expected[np.random.default_rng(0).permutation(len(expected))]
+    keys = np.asarray(sampling.filters.sort_key(jnp.asarray(x)))
+    assert keys.dtype == np.int32 and len(set(keys.tolist())) == len(x)
+    np.testing.assert_array_equal(x[np.argsort(keys)].view(np.uint32), expected.view(np.uint32))  # -0.0 < 0.0
+    back = np.asarray(sampling.filters.sort_ascending(jnp.asarray(x[None])))[0]
+    np.testing.assert_array_equal(back.view(np.uint32), expected.view(np.uint32))
+
+
 def test_temperature_does_not_change_the_top_k_set():
     rng = np.random.default_rng(5)
     logits = rng.standard_normal((16, 80)).astype(np.float32)

@@ -5,7 +5,7 @@ Every row takes the cheapest exact program for its own settings and logits (neve
   plain        no top-k and top-p == 1: the inverse CDF over all V weights (min-p applied to them).
   window       top-k <= C - 1, or top-p alone whose nucleus lies inside the C largest candidates:
                top_k_mask / top_p_mask on those C candidates only (lax.top_k, no sort of V).
-  full         anything else: the full sort of filters.filter_scaled.
+  full         anything else: filters.filter_scaled, one int32-key sort of V's values (no token ids).
 lax.cond skips a program that no row of the batch needs, so nothing recompiles, and since each row's
 token comes from its own program a row draws the same token whatever batch it is in.
 

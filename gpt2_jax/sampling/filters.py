@@ -58,13 +58,22 @@ def top_k_mask(asc: jax.Array, k: jax.Array) -> jax.Array:
     return asc >= kth
 
 
+def suffix(keep: jax.Array) -> jax.Array:
+    """keep [B, N] over values in ascending order -> [B, N]: everything from the first kept position on.
+    Every filter removes a lowest part of the sorted row; this makes that shape exact even where a rounded
+    cumulative sum or exp is not monotone, so one threshold per row describes the kept set."""
+    n = keep.shape[-1]
+    first = jnp.min(jnp.where(keep, jnp.arange(n, dtype=jnp.int32), n), axis=-1, keepdims=True)
+    return jnp.arange(n, dtype=jnp.int32) >= first
+
+
 def top_p_mask(probs: jax.Array, drop: jax.Array, below: jax.Array | float = 0.0) -> jax.Array:
     """probs [B, N] in ascending order (0 where already removed), drop [B] = float32(1 - top_p) ->
     keep [B, N]: TopPLogitsWarper's rule, drop a token whose ascending cumulative probability is
     <= 1 - top_p, always keeping the most likely one. below [B]: the mass of tokens under the first
     (when probs is a window of the largest candidates)."""
     cum = cumsum(probs) + jnp.asarray(below)[..., None]
-    return ~(cum <= drop[:, None]).at[:, -1].set(False)
+    return suffix(~(cum <= drop[:, None]).at[:, -1].set(False))
 
 
 def min_p_mask(probs: jax.Array, min_p: jax.Array) -> jax.Array:
@@ -79,20 +88,46 @@ def filter_logits(logits: jax.Array, settings: RowSettings, n_valid: int | None 
     return filter_scaled(apply_temperature(logits, settings, n_valid), settings)
 
 
+def sort_key(x: jax.Array) -> jax.Array:
+    """float32 -> int32 whose integer order is the floats' total order (-inf < ... < -0.0 < 0.0 < ... < inf).
+    The map is its own inverse. On CPU XLA sorts int32 ~5x faster than float32, ~10x faster than argsort."""
+    i = jax.lax.bitcast_convert_type(x, jnp.int32)
+    return i ^ ((i >> 31) & 0x7FFFFFFF)  # negative floats: reverse the order of their magnitude bits
+
+
+def sort_ascending(x: jax.Array) -> jax.Array:
+    """[B, N] float32 -> [B, N] the same values in ascending order (values only: which of several tied
+    tokens sits where changes no value, so no token ids ride along)."""
+    return jax.lax.bitcast_convert_type(sort_key(jax.lax.sort(sort_key(x), dimension=-1)), jnp.float32)
+
+
+def kept_tokens(scaled: jax.Array, asc: jax.Array) -> jax.Array:
+    """scaled [B, V], asc [B, V] = sort_ascending(scaled) with a lowest part set to -inf -> keep [B, V]: the
+    tokens of the kept suffix, ties at its lowest value resolved as a stable ascending sort would: the
+    higher ids sit later, so they are the ones kept. (-inf tokens may go either way; their weight is 0.)"""
+    v = scaled.shape[-1]
+    n_keep = jnp.sum(asc > -jnp.inf, axis=-1, dtype=jnp.int32)[:, None]
+    lowest = jnp.take_along_axis(asc, jnp.clip(v - n_keep, 0, v - 1), axis=-1)  # [B, 1]
+    above, tied = scaled > lowest, scaled == lowest
+    need = n_keep - jnp.sum(above, axis=-1, dtype=jnp.int32, keepdims=True)  # ties that make the count
+    rank = jnp.cumsum(tied, axis=-1, dtype=jnp.int32)  # 1-based among the ties, by id
+    n_tied = rank[:, -1:]
+    return (n_keep > 0) & (above | (tied & (rank > n_tied - need)))
+
+
 def filter_scaled(scaled: jax.Array, settings: RowSettings) -> jax.Array:
-    """filter_logits after the temperature: top-k then top-p over one stable ascending sort of V."""
+    """filter_logits after the temperature: top-k, top-p and min-p over one ascending sort of V."""
     b, v = scaled.shape
-    # One stable ascending sort serves both filters. Top-k only removes the lowest values, so the kept
-    # tokens' order is the order transformers' top-p sort sees. Among exactly tied values, a stable sort
-    # puts the lower index first, as torch's CPU sort does for V <= 16 (above that its tie order is
+    # One sort serves every filter. Each removes only a lowest part of the row, so the kept tokens' order
+    # is the order transformers' top-p sort sees. Among exactly tied values the lower id counts as the
+    # smaller, as in a stable sort and in torch's CPU sort for V <= 16 (above that its tie order is
     # unspecified; only which of the tied tokens survive can then differ, not how many).
-    order = jnp.argsort(scaled, axis=-1, stable=True)
-    asc = jnp.take_along_axis(scaled, order, axis=-1)
+    asc = sort_ascending(scaled)
     k = jnp.where(settings.top_k <= 0, v, jnp.minimum(settings.top_k, v))  # 0 (off) or >= V keep all
     asc = jnp.where(top_k_mask(asc, k), asc, -jnp.inf)
     asc = jnp.where(top_p_mask(jax.nn.softmax(asc, axis=-1), settings.top_p_drop), asc, -jnp.inf)
-    asc = jnp.where(min_p_mask(jax.nn.softmax(asc, axis=-1), settings.min_p), asc, -jnp.inf)
-    filtered = jnp.zeros_like(asc).at[jnp.arange(b)[:, None], order].set(asc)  # undo the sort
+    asc = jnp.where(suffix(min_p_mask(jax.nn.softmax(asc, axis=-1), settings.min_p)), asc, -jnp.inf)
+    filtered = jnp.where(kept_tokens(scaled, asc), scaled, -jnp.inf)
     # Greedy is a one-hot in log space, so softmax and categorical give the argmax exactly
     # (argmax resolves ties to the lowest index).
     best = jnp.argmax(scaled, axis=-1)
