@@ -1,4 +1,4 @@
-"""Builds gpt2_jax's one compiled piece, the batch-invariant matmul kernel (gpt2_jax/kernels/rowdot.cc),
+"""Builds gpt2_jax's one compiled piece, the batch-invariant matmul kernels (gpt2_jax/kernels/rowdot.cc),
 against the XLA FFI headers that jaxlib ships. Everything else is in pyproject.toml. The extension is
 optional: without a C++ compiler the install still succeeds and the model runs on XLA's own matmul
 (gpt2_jax.kernels.available() says which)."""
@@ -19,7 +19,7 @@ setup(
         Extension(
             "gpt2_jax.kernels._rowdot",
             sources=["gpt2_jax/kernels/rowdot.cc"],
-            depends=["gpt2_jax/kernels/rowdot.h"],
+            depends=["gpt2_jax/kernels/rowdot.h", "gpt2_jax/kernels/chain.h"],
             include_dirs=[_xla_include()],
             language="c++",
             # -ffp-contract=off: no multiply-add the source does not spell out, so the rounding is the

@@ -20,14 +20,14 @@ from gpt2_jax.sharding import constrain
 
 
 class KVCache(NamedTuple):
-    k: jax.Array  # [L, B, H, S, K] keys of every layer, head-major (attention batches over B, H untransposed)
-    v: jax.Array  # [L, B, H, K, S] values, transposed (see layers.attend)
+    k: jax.Array  # [L, B, H, K, S] keys of every layer, head-major and transposed (see layers.attend)
+    v: jax.Array  # [L, B, H, S, K] values, head-major (attention batches over B, H untransposed)
     lengths: jax.Array  # [B] int32: tokens held by row b; its next token goes to slot lengths[b]
 
     @property
     def capacity(self) -> int:
         """S, the number of slots."""
-        return self.k.shape[-2]
+        return self.k.shape[-1]
 
     @property
     def nbytes(self) -> int:
@@ -38,25 +38,25 @@ class KVCache(NamedTuple):
 class CacheView(NamedTuple):
     """The cache as the blocks see it while T new tokens per row go in (built by model.forward_cached)."""
 
-    k: jax.Array  # [L, B, H, S, K]
-    v: jax.Array  # [L, B, H, K, S]
+    k: jax.Array  # [L, B, H, K, S]
+    v: jax.Array  # [L, B, H, S, K]
     start: jax.Array  # [B] int32: the slot of row b's first new token (its new tokens fill [start, start + T))
     mask: jax.Array  # [B, T, S] bool: new token t of row b sees slot s iff s <= start[b] + t
 
     def write(self, layer: jax.Array, k: jax.Array, v: jax.Array) -> "CacheView":
         """Layer `layer`'s new k, v [B, H, T, K] into their slots (in place)."""
-        return self._replace(k=write_rows(self.k, layer, k, self.start, 3), v=write_rows(self.v, layer, v, self.start, 4))
+        return self._replace(k=write_rows(self.k, layer, k, self.start, 4), v=write_rows(self.v, layer, v, self.start, 3))
 
     def read(self, layer: jax.Array) -> tuple[Entry, Entry]:
-        """Layer `layer`'s keys [B, H, S, K] and values [B, H, K, S], as entries of the stacked cache that
-        attention reads in place (kernels.Entry; .get() gives a copy)."""
+        """Layer `layer`'s keys [B, H, K, S] (transposed) and values [B, H, S, K], as entries of the stacked
+        cache that attention reads in place (kernels.Entry; .get() gives a copy)."""
         return Entry(self.k, layer), Entry(self.v, layer)
 
 
 def write_rows(cache: jax.Array, layer: jax.Array, new: jax.Array, start: jax.Array, axis: int) -> jax.Array:
     """cache [L, B, H, ...] <- new [B, H, T, K] at layer `layer`, slots [start[b], start[b] + T) of row b,
-    the slot axis being `axis` of the cache (3 for keys [L, B, H, S, K], 4 for transposed values
-    [L, B, H, K, S]). One scatter on the cache as it lies, so XLA updates it in place (a vmap over rows
+    the slot axis being `axis` of the cache (4 for transposed keys [L, B, H, K, S], 3 for values
+    [L, B, H, S, K]). One scatter on the cache as it lies, so XLA updates it in place (a vmap over rows
     would transpose the whole cache there and back). Slots past the capacity are dropped."""
     B, H, T, K = new.shape
     rows = jnp.arange(B)[:, None]  # [B, 1]
@@ -83,6 +83,6 @@ def init_cache(config: GPT2Config, batch: int, capacity: int, dtype=jnp.float32)
     """An empty cache of `batch` rows and `capacity` slots. On a mesh (see sharding.on_mesh) rows are
     split over "data" and heads over "model"."""
     shape = (config.n_layer, batch, config.n_head, capacity, config.head_dim)
-    k = constrain(jnp.zeros(shape, dtype), "LBHSK")
-    v = constrain(jnp.zeros((*shape[:3], config.head_dim, capacity), dtype), "LBHKS")
+    k = constrain(jnp.zeros((*shape[:3], config.head_dim, capacity), dtype), "LBHKS")
+    v = constrain(jnp.zeros(shape, dtype), "LBHSK")
     return KVCache(k, v, jnp.zeros(batch, jnp.int32))

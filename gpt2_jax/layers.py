@@ -185,33 +185,41 @@ def causal_mask(T: int) -> jax.Array:
 KEY_BLOCK = 128  # keys are scored in blocks of this many slots (see attend)
 
 
-def attend(q: jax.Array, k, vt, mask: jax.Array, scale: jax.Array,
+def attend(q: jax.Array, kt, v, mask: jax.Array, scale: jax.Array,
            key: jax.Array | None = None, rate: float = 0.0, tap=None) -> jax.Array:
-    """q [B, H, T, K] over keys k [B, H, S, K] and values vt [B, H, K, S] (transposed) where mask
-    [B or 1, T, S] allows -> [B, H, T, K]. k and vt may be kernels.Entry (a layer of the KV cache,
+    """q [B, H, T, K] over keys kt [B, H, K, S] (transposed) and values v [B, H, S, K] where mask
+    [B or 1, T, S] allows -> [B, H, T, K]. kt and v may be kernels.Entry (a layer of the KV cache,
     read in place).
 
     Built so that a query's result is the same bits whatever else is computed with it, and however
     many key slots follow its own (a forward over T tokens vs a cache of S slots): each score is one
-    dot product (see block_scores), the slots are grouped in whole blocks of KEY_BLOCK, each block's
-    softmax mass is summed alone and the blocks' sums added in order, so masked slots add exact zeros;
-    each output of the weighted sum is one dot product over the slots (see weighted_values), to which
-    masked slots add exact zeros too. A decode step's single query is padded with copies of itself so
-    the softmax's reductions take XLA's large-input path (see MIN_REDUCE). Head-major operands keep
-    (B, H) as the leading batch dims: the cache is never transposed.
+    multiply-add chain over K (see block_scores), the slots are grouped in whole blocks of KEY_BLOCK,
+    each block's softmax mass is summed alone and the blocks' sums added in order, so masked slots add
+    exact zeros; each output of the weighted sum is one chain over the slots (see weighted_values), to
+    which masked slots add exact zeros too. A decode step's single query is padded with copies of itself
+    so the softmax's reductions take XLA's large-input path (see MIN_REDUCE). Head-major operands keep
+    (B, H) as the leading batch dims, and the cache holds keys transposed, as the scores' kernel reads
+    them (outputs along the slots): the cache is never transposed.
     Hook points: hook_attn_scores [B, H, T, S] (see tap_scores) and hook_pattern, the weights' real
     [T, S] corner (a padded query's row or a padded slot's column is never shown)."""
     B, H, T, K = q.shape
-    S = k.shape[2]
+    S = kt.shape[-1]
     n = -(-S // KEY_BLOCK)
     Sp = n * KEY_BLOCK
     mask = jnp.broadcast_to(mask, (mask.shape[0], T, S))
     # Enough (query, slot) elements for the softmax's reductions; XLA's matmul also needs 2 queries.
-    Tq = max(T, -(-MIN_REDUCE // (B * H * Sp)), 1 if rowdot_fits(q, k, vt) else 2)
+    Tq = max(T, -(-MIN_REDUCE // (B * H * Sp)), 1 if rowdot_fits(q, kt, v) else 2)
     if Tq > T:
         q = jnp.pad(q, ((0, 0), (0, 0), (0, Tq - T), (0, 0)), mode="edge")
         mask = jnp.pad(mask, ((0, 0), (0, Tq - T), (0, 0)), mode="edge")
-    scores = block_scores(q, k, n) * scale  # [B, H, T', N, C]
+    # Each query's last visible slot + 1 (all S for a query that sees nothing): rowdot skips the scores
+    # past it and the weighted sum's products there (exact zeros), half the work of a causal prefill.
+    # Not under hooks, which may edit masked scores or weights.
+    ends = None
+    if tap is None and rowdot_fits(q, kt, v):
+        last = jnp.max(jnp.where(mask, jnp.arange(1, S + 1, dtype=jnp.int32), 0), axis=-1)  # [B or 1, T']
+        ends = jnp.broadcast_to(jnp.where(last > 0, last, S)[:, None], (B, H, Tq))
+    scores = block_scores(q, kt, n, ends) * scale  # [B, H, T', N, C]
     blocked = jnp.pad(mask, ((0, 0), (0, 0), (0, Sp - S))).reshape(mask.shape[0], 1, Tq, n, KEY_BLOCK)
     scores = jnp.where(blocked, scores, NEG_INF)
     if tap is not None:
@@ -224,37 +232,40 @@ def attend(q: jax.Array, k, vt, mask: jax.Array, scale: jax.Array,
     weights = dropout(e / total[..., None, None], rate, key).reshape(B, H, Tq, Sp)
     if tap is not None:
         weights = weights.at[:, :, :T, :S].set(tap("hook_pattern", weights[:, :, :T, :S]))
-    return weighted_values(weights, vt)[:, :, :T]
+    return weighted_values(weights, v, ends)[:, :, :T]
 
 
 def _array(a) -> jax.Array:
     return a.get() if isinstance(a, kernels.Entry) else a
 
 
-def block_scores(q: jax.Array, k, n: int) -> jax.Array:
-    """q [B, H, T, K] . k [B, H, S, K] -> scores [B, H, T, N, C] over n blocks of C = KEY_BLOCK slots
-    (slots past S hold zeros). With rowdot each score is one dot product over K, whatever T and S;
-    XLA's matmul instead gets one fixed [T, C] shape per block (each block its own operand), as its
+def block_scores(q: jax.Array, kt, n: int, ends: jax.Array | None = None) -> jax.Array:
+    """q [B, H, T, K] . keys kt [B, H, K, S] -> scores [B, H, T, N, C] over n blocks of C = KEY_BLOCK slots
+    (slots past S hold zeros). With the kernel (gpt2_jax.kernels.chain) each score is one multiply-add
+    chain over K, whatever T and S (ends [B, H, T]: slots from ends on are not needed, and come back as
+    0); XLA's matmul instead gets one fixed [T, C] shape per block (each block its own operand), as its
     kernel changes with S."""
     B, H, T, K = q.shape
-    S, Sp = k.shape[2], n * KEY_BLOCK
-    if rowdot_fits(q, k):
-        scores = jnp.pad(kernels.rowdot(q, k), ((0, 0), (0, 0), (0, 0), (0, Sp - S)))
+    S, Sp = kt.shape[-1], n * KEY_BLOCK
+    if rowdot_fits(q, kt):
+        scores = jnp.pad(kernels.chain(q, kt, out_ends=ends), ((0, 0), (0, 0), (0, 0), (0, Sp - S)))
         return scores.reshape(B, H, T, n, KEY_BLOCK)
-    kb = jnp.pad(_array(k), ((0, 0), (0, 0), (0, Sp - S), (0, 0))).reshape(B, H, n, KEY_BLOCK, K)
+    k = jnp.swapaxes(_array(kt), -1, -2)
+    kb = jnp.pad(k, ((0, 0), (0, 0), (0, Sp - S), (0, 0))).reshape(B, H, n, KEY_BLOCK, K)
     qb = jnp.broadcast_to(q[:, :, None], (B, H, n, T, K))
     scores = jnp.einsum("BHNTK,BHNCK->BHNTC", qb, kb.astype(q.dtype), preferred_element_type=F32)
     return scores.transpose(0, 1, 3, 2, 4)
 
 
-def weighted_values(weights: jax.Array, vt) -> jax.Array:
-    """weights [B, H, T, S'] (S' >= S: slots past S weigh 0) . values vt [B, H, K, S] -> [B, H, T, K]:
-    one dot product over the slots per output (rowdot), or XLA's matmul over the padded slots, the
-    layout in which its kernel ignores S."""
-    S, Sp = vt.shape[-1], weights.shape[-1]
-    if rowdot_fits(weights, vt):
-        return kernels.rowdot(weights[..., :S], vt)
-    vt = jnp.pad(_array(vt), ((0, 0), (0, 0), (0, 0), (0, Sp - S)))
+def weighted_values(weights: jax.Array, v, ends: jax.Array | None = None) -> jax.Array:
+    """weights [B, H, T, S'] (S' >= S: slots past S weigh 0) . values v [B, H, S, K] -> [B, H, T, K]: one
+    multiply-add chain over the slots per output (gpt2_jax.kernels.chain; ends [B, H, T]: the weights
+    from ends on are 0, and their products are skipped), or XLA's matmul over the padded slots against
+    the values transposed, the layout in which its kernel ignores S."""
+    S, Sp = v.shape[-2], weights.shape[-1]
+    if rowdot_fits(weights, v):
+        return kernels.chain(weights[..., :S], v, in_ends=ends)
+    vt = jnp.pad(jnp.swapaxes(_array(v), -1, -2), ((0, 0), (0, 0), (0, 0), (0, Sp - S)))
     return jnp.einsum("BHTS,BHKS->BHTK", weights.astype(vt.dtype), vt, preferred_element_type=F32)
 
 
@@ -307,7 +318,7 @@ def attention(p: dict, x: jax.Array, config: GPT2Config, layer: jax.Array | int,
         out = attend_causal(q, k, v, attn_scale(config, layer), k_attn, config.attn_pdrop)
         return dropout(project_heads(p["c_proj"], out), config.resid_pdrop, k_resid), cache
     if cache is None:
-        keys, values, mask = k, jnp.swapaxes(v, -1, -2), causal_mask(x.shape[1])
+        keys, values, mask = jnp.swapaxes(k, -1, -2), v, causal_mask(x.shape[1])
     else:
         cache = cache.write(layer, k, v)
         (keys, values), mask = cache.read(layer), cache.mask

@@ -48,7 +48,7 @@ def run_blocks(params: Params, x: jax.Array, config: GPT2Config, cache: CacheVie
     Training's options: unroll, layers per scan iteration (see gpt2_jax.train.TRAIN_UNROLL); remat,
     recompute each block's activations in the backward instead of keeping them (jax.checkpoint)."""
     layers = scan_layers(params["h"])
-    S = x.shape[1] if cache is None else cache.k.shape[-2]  # key slots each query attends over
+    S = x.shape[1] if cache is None else cache.mask.shape[-1]  # key slots each query attends over
 
     def step(carry, i):
         x, cache, store = carry

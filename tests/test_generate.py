@@ -163,7 +163,7 @@ def test_padding_vocab_rows_are_never_generated(model_and_params):
 def test_cache_size_formula():
     config = gpt2_jax.GPT2Config.preset("gpt2")
     cache = init_cache(config, 3, 40)
-    assert cache.k.shape == (12, 3, 12, 40, 64) and cache.v.shape == (12, 3, 12, 64, 40)  # values transposed
+    assert cache.k.shape == (12, 3, 12, 64, 40) and cache.v.shape == (12, 3, 12, 40, 64)  # keys transposed
     assert cache.nbytes == 2 * 12 * 3 * 40 * 768 * 4 == cache_bytes(config, 3, 40)
     bf16 = init_cache(config, 3, 40, jnp.bfloat16)
     assert bf16.nbytes == 2 * 12 * 3 * 40 * 768 * 2 == cache_bytes(config, 3, 40, jnp.bfloat16)

@@ -1,8 +1,8 @@
-"""gpt2_jax.kernels.rowdot, the float32 matmul whose outputs round the same way for any row count.
+"""gpt2_jax.kernels.rowdot and chain, the float32 matmuls whose outputs round the same way for any row count.
 
-References: numpy in float64 (the value), the kernel's own full-batch call (the bits of every slice of
-rows), its AVX2 path in a fresh process (the same bits as AVX-512), and XLA's own matmul as the
-contrast that shows why the kernel exists."""
+References: numpy in float64 (the value), a numpy loop of float32 fused multiply-adds (chain's exact
+bits), the kernel's own full-batch call (the bits of every slice of rows), its AVX2 path in a fresh
+process (the same bits as AVX-512), and XLA's own matmul as the contrast that shows why the kernels exist."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from gpt2_jax import kernels
-from gpt2_jax.kernels import rowdot
+from gpt2_jax.kernels import chain, rowdot
 
 pytestmark = pytest.mark.skipif(kernels.available() is None, reason="rowdot not built on this machine")
 
@@ -86,18 +86,20 @@ assert kernels.available() == "avx2", kernels.available()
 rng = np.random.default_rng(3)
 x = rng.standard_normal((19, 770), np.float32); w = rng.standard_normal((37, 770), np.float32)
 np.save(sys.argv[1], np.asarray(kernels.rowdot(x, w)))
+np.save(sys.argv[2], np.asarray(kernels.chain(x[:, :70], w[:, :70].T.copy())))
 """
 
 
 @pytest.mark.skipif(kernels.available() != "avx512", reason="needs an AVX-512 CPU to compare the two paths")
 def test_the_avx2_path_rounds_exactly_like_the_avx512_path(tmp_path):
-    out = tmp_path / "avx2.npy"
+    out, out_chain = tmp_path / "avx2.npy", tmp_path / "avx2_chain.npy"
     env = dict(os.environ, GPT2_JAX_ROWDOT_ISA="avx2", JAX_PLATFORMS="cpu")
-    subprocess.run([sys.executable, "-c", _AVX2_SCRIPT, str(out)], check=True, env=env, timeout=300)
+    subprocess.run([sys.executable, "-c", _AVX2_SCRIPT, str(out), str(out_chain)], check=True, env=env, timeout=300)
     rng = np.random.default_rng(3)
     x = rng.standard_normal((19, 770), np.float32)
     w = rng.standard_normal((37, 770), np.float32)
     assert (bits(np.load(out)) == bits(rowdot(x, w))).all()
+    assert (bits(np.load(out_chain)) == bits(chain(x[:, :70], w[:, :70].T.copy()))).all()
 
 
 def test_model_matmuls_go_through_rowdot():
@@ -142,3 +144,70 @@ def test_an_entry_of_a_stacked_array_is_read_in_place_with_the_same_bits_as_its_
     for layer in (0, 1, 2):
         assert (bits(f(q, stacked, jnp.int32(layer))) == bits(rowdot(q, stacked[layer]))).all()
     assert (bits(f(q, stacked, jnp.int32(7))) == bits(rowdot(q, stacked[2]))).all()
+
+
+# ---- chain: x [M, K] @ w [K, N], one fused multiply-add chain per output --------------------------------------
+
+
+def fma_chain(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """acc = fma(x[m, k], w[k, n], acc) for k in order, in float32, as numpy: the product of two float32s
+    is exact in 80-bit long double, and so (almost always) is the sum, rounded once to float32."""
+    acc = np.zeros((x.shape[0], w.shape[1]), np.float32)
+    for k in range(x.shape[1]):
+        exact = np.longdouble(x[:, k, None]) * np.longdouble(w[None, k, :]) + np.longdouble(acc)
+        acc = exact.astype(np.float32)
+    return acc
+
+
+@pytest.mark.skipif(np.finfo(np.longdouble).nmant < 63, reason="needs 80-bit long double for the exact reference")
+@pytest.mark.parametrize("K,N", [(64, 130), (640, 64), (5, 3)])  # attention's scores, its weighted sum, tiny
+def test_chain_is_one_fused_multiply_add_chain_per_output_for_any_row_count(K, N):
+    rng = np.random.default_rng(K + N)
+    x = rng.standard_normal((40, K), np.float32)
+    w = rng.standard_normal((K, N), np.float32)
+    f = jax.jit(chain)
+    full = np.asarray(f(x, w))
+    assert (bits(full) == bits(fma_chain(x, w))).all()
+    assert (bits(full) != bits(rowdot(x, w.T.copy()))).any()  # a different arithmetic from rowdot's
+    for M in (1, 2, 5, 6, 7, 13):
+        for start in (0, 3):
+            assert (bits(f(x[start:start + M], w)) == bits(full[start:start + M])).all(), (M, start)
+
+
+def test_ends_skip_work_without_changing_any_needed_output():
+    """out_ends: outputs past a row's end come back 0, the others keep their bits; in_ends: products
+    past a row's end (where x is 0) are skipped, and every output keeps its bits. For both kernels."""
+    rng = np.random.default_rng(7)
+    B, T, K, S = 3, 50, 64, 140
+    q = rng.standard_normal((B, T, K), np.float32)
+    keys = rng.standard_normal((B, S, K), np.float32)
+    ends = rng.integers(0, S + 1, (B, T)).astype(np.int32)
+    needed = np.arange(S) < ends[..., None]
+    weights = np.where(needed, rng.random((B, T, S), np.float32), 0.0).astype(np.float32)
+    values = rng.standard_normal((B, S, K), np.float32)
+    for kernel, kt, v in ((chain, np.swapaxes(keys, 1, 2).copy(), values), (rowdot, keys, np.swapaxes(values, 1, 2).copy())):
+        scores = np.asarray(jax.jit(lambda a, b, e: kernel(a, b, out_ends=e))(q, kt, ends))
+        assert (bits(scores[needed]) == bits(np.asarray(kernel(q, kt))[needed])).all()
+        assert (scores[~needed] == 0).all() and needed.sum() > 0 and (~needed).sum() > 0
+        out = jax.jit(lambda a, b, e: kernel(a, b, in_ends=e))(weights, v, ends)
+        assert (bits(out) == bits(kernel(weights, v))).all()
+        # The promise matters: with non-zero x past the ends, the skipped products show.
+        assert (bits(kernel(weights + 1.0, v, in_ends=ends)) != bits(kernel(weights + 1.0, v))).any()
+
+
+def test_chain_gradient_and_entry():
+    from gpt2_jax.kernels import Entry
+
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((2, 6, 64), np.float32)
+    w = rng.standard_normal((2, 64, 30), np.float32)
+    g = rng.standard_normal((2, 6, 30), np.float32)
+    ends = np.array([[30, 5, 0, 12, 29, 30], [1, 2, 3, 4, 5, 6]], np.int32)
+    kept = np.where(np.arange(30) < ends[..., None], g, 0.0)
+    dx, dw = jax.grad(lambda a, b: (chain(a, b, out_ends=ends) * g).sum(), (0, 1))(x, w)
+    np.testing.assert_allclose(dx, np.einsum("bmn,bkn->bmk", kept, w.astype(np.float64)), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dw, np.einsum("bmk,bmn->bkn", x.astype(np.float64), kept), rtol=1e-5, atol=1e-5)
+    stacked = np.stack([w, 2 * w, 3 * w])  # [L, B, K, N], like the transposed key cache
+    f = jax.jit(lambda a, s, i: chain(a, Entry(s, i), out_ends=ends))
+    for layer in (0, 2):
+        assert (bits(f(x, stacked, jnp.int32(layer))) == bits(chain(x, stacked[layer], out_ends=ends))).all()

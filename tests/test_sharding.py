@@ -130,8 +130,8 @@ def test_each_device_holds_its_share(model):
         with on_mesh(mesh):
             state = prefill(layout, np.zeros((4, 16), np.int32), np.full(4, 16, np.int32),
                             jax.random.split(jax.random.key(0), 4), config, 32)  # fmt: skip
-        assert {s.data.shape for s in state.cache.k.addressable_shards} == {(L, 2, H // 4, 32, K)}
-        assert {s.data.shape for s in state.cache.v.addressable_shards} == {(L, 2, H // 4, K, 32)}  # transposed
+        assert {s.data.shape for s in state.cache.k.addressable_shards} == {(L, 2, H // 4, K, 32)}  # transposed
+        assert {s.data.shape for s in state.cache.v.addressable_shards} == {(L, 2, H // 4, 32, K)}
 
 
 def _train_both(params, config, mesh_shape, optimizer, steps=2):

@@ -1,27 +1,38 @@
-"""Compiled kernels: `rowdot`, the float32 matmul whose every output rounds the same way for any row count.
+"""Compiled kernels: float32 matmuls whose every output rounds the same way for any row count.
 
-    rowdot(x [..., M, I], w [..., N, I]) -> y [..., M, N] = x @ w.T  (float32; w as checkpoints hold it,
-                                                                 [out, in]; w 2-D or with x's leading dims)
+    rowdot(x [..., M, I], w [..., N, I]) -> [..., M, N] = x @ w.T  (w as checkpoints hold it, [out, in];
+                                                               w 2-D or with x's leading dims)
+    chain(x [..., M, I], w [..., I, N])  -> [..., M, N] = x @ w    (attention: keys transposed, values)
 
 Why: XLA's CPU matmul chooses its kernel, and so its rounding, by shape: one row, a few rows and many
 rows each round differently. A token's logits would then change with its batch, and a decode step
-(M = B rows) would not reproduce a forward over the same sequence (M = B x T rows). rowdot (C++:
-the arithmetic in rowdot.h, called from rowdot.cc through XLA's FFI on XLA's own threads) computes each
-output as one dot product by the same instructions whatever M is, and streams the weights at close to
-the memory's speed for a decode step's few rows.
+(M = B rows) would not reproduce a forward over the same sequence (M = B x T rows). Both kernels (C++:
+the arithmetic in rowdot.h and chain.h, called from rowdot.cc through XLA's FFI on XLA's own threads)
+compute each output by the same instructions whatever M is:
+  rowdot  one dot product: 16 lane-wise accumulators in k order, then one fixed tree over the lanes. It
+          streams [out, in] weights at close to the memory's speed for a decode step's few rows.
+  chain   one fused multiply-add chain in k order, lanes over outputs, no lane sums: fast for
+          attention's short dot products (64 for the scores), where rowdot's lane sums cost as much as
+          its multiply-adds.
 
-Where it does not apply, `rowdot` is XLA's einsum: on GPU/TPU, inside a mesh (see layers.matmul) and
-where the extension was not built (no C++ compiler at install time) or the CPU lacks AVX2/FMA.
-`available()` says which. Its gradient is XLA's matmuls: gradients are compared to a tolerance, never
-bitwise across batch shapes.
+Both can skip work a row does not need without changing anything it does need (attention's causal
+corner): `out_ends` / `in_ends`, one int32 per row (see rowdot). An Entry (one layer of the stacked KV
+cache) is read where it lies.
+
+Where they do not apply, they are XLA's matmul: on GPU/TPU, inside a mesh (see layers.matmul) and where
+the extension was not built (no C++ compiler at install time) or the CPU lacks AVX2/FMA. `available()`
+says which. Gradients are XLA's matmuls: gradients are compared to a tolerance, never bitwise across
+batch shapes.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 F32 = jnp.float32
 TARGET = "gpt2_jax_rowdot"
@@ -33,13 +44,17 @@ except ImportError:  # built without a compiler: XLA's matmul everywhere
 
 _REGISTERED = False
 if _rowdot is not None and _rowdot.usable():
-    jax.ffi.register_ffi_target(TARGET, _rowdot.handler(), platform="cpu")
-    jax.ffi.register_ffi_target(TARGET + "_at", _rowdot.handler_at(), platform="cpu")
+    for _suffix, _handler in (("", _rowdot.handler), ("_at", _rowdot.handler_at), ("_ends", _rowdot.handler_ends),
+                              ("_at_ends", _rowdot.handler_at_ends), ("_chain", _rowdot.handler_chain),
+                              ("_chain_at", _rowdot.handler_chain_at)):  # fmt: skip
+        jax.ffi.register_ffi_target(TARGET + _suffix, _handler(), platform="cpu")
     _REGISTERED = True
+
+NONE, OUTPUTS, INPUTS = 0, 1, 2  # what a row's end bounds (rowdot::Ends in rowdot.h)
 
 
 class Entry(NamedTuple):
-    """Entry `index` of a stacked array, e.g. one layer of the KV cache, as rowdot's w: the kernel reads
+    """Entry `index` of a stacked array, e.g. one layer of the KV cache, as a kernel's w: the kernel reads
     it where it lies, where slicing it out first (any XLA op on it) would copy it."""
 
     stacked: jax.Array  # [L, ...]
@@ -59,49 +74,117 @@ class Entry(NamedTuple):
 
 
 def available() -> str | None:
-    """The instruction set rowdot runs with on this CPU ("avx512" or "avx2"), or None where XLA's
+    """The instruction set the kernels run with on this CPU ("avx512" or "avx2"), or None where XLA's
     matmul stands in (extension not built, or a CPU without AVX2 and FMA)."""
     return _rowdot.isa() if _REGISTERED else None
 
 
-def _einsum(x: jax.Array, w: jax.Array) -> jax.Array:
-    return jnp.matmul(x, jnp.swapaxes(w, -1, -2), preferred_element_type=F32)  # leading dims broadcast
+def rowdot(x: jax.Array, w: jax.Array | Entry, *, out_ends: jax.Array | None = None,
+           in_ends: jax.Array | None = None) -> jax.Array:
+    """x [..., M, I] float32 @ w [..., N, I].T float32 -> [..., M, N] float32, each output rounded the same
+    way for any M. w is 2-D (shared by every leading index of x) or has x's leading dims; an Entry is
+    read in place (not differentiable: it serves the KV cache).
+
+    Work a row does not need can be skipped without changing any output it does need, through one int32
+    per row, [..., M] (x's dims but the last):
+      out_ends: outputs y[m, n] with n >= out_ends[m] are not needed; they come back as 0.
+      in_ends:  a promise that x[m, i] == 0 for i >= in_ends[m]; those products are skipped (each would
+                add an exact zero to its dot product, so the bits do not change).
+    """
+    return _product(False, x, w, out_ends, in_ends)
 
 
-def _kernel(x: jax.Array, w: jax.Array) -> jax.Array:
-    out = jax.ShapeDtypeStruct((*x.shape[:-1], w.shape[-2]), F32)
-    # Under vmap, an unbatched operand gets a leading 1 and the kernel broadcasts it (no copies).
-    return jax.ffi.ffi_call(TARGET, out, vmap_method="expand_dims")(x, w)
+def chain(x: jax.Array, w: jax.Array | Entry, *, out_ends: jax.Array | None = None,
+          in_ends: jax.Array | None = None) -> jax.Array:
+    """x [..., M, I] float32 @ w [..., I, N] float32 -> [..., M, N] float32, each output one fused
+    multiply-add chain over i in order (acc = fma(x[m, i], w[i, n], acc)), so rounded the same way for
+    any M. Otherwise as rowdot (w's layout aside)."""
+    return _product(True, x, w, out_ends, in_ends)
+
+
+def _product(is_chain: bool, x, w, out_ends, in_ends) -> jax.Array:
+    if out_ends is not None and in_ends is not None:
+        raise ValueError("take out_ends or in_ends, not both")
+    ends, mode = (out_ends, OUTPUTS) if out_ends is not None else (in_ends, INPUTS if in_ends is not None else NONE)
+    if ends is not None:
+        ends = jnp.broadcast_to(jnp.asarray(ends, jnp.int32), x.shape[:-1])
+    elif is_chain:
+        ends = jnp.zeros(x.shape[:-1], jnp.int32)  # chain's targets always take ends; NONE ignores them
+    if isinstance(w, Entry):
+        return _entry(is_chain, x, w, ends, mode)
+    if ends is None:
+        return _dense(x, w)
+    return _dense_ends(x, w, ends, mode, is_chain)
+
+
+def _einsum(x: jax.Array, w: jax.Array, is_chain: bool = False) -> jax.Array:
+    w = w if is_chain else jnp.swapaxes(w, -1, -2)
+    return jnp.matmul(x, w, preferred_element_type=F32)  # leading dims broadcast
+
+
+def _masked(y: jax.Array, ends: jax.Array | None, mode: int) -> jax.Array:
+    """The outputs the kernels skip under out_ends, as 0 (XLA's stand-in, and the gradient's mask)."""
+    if ends is None or mode != OUTPUTS:
+        return y
+    return jnp.where(jnp.arange(y.shape[-1]) < ends[..., None], y, 0.0)
+
+
+def _out_shape(x, w_shape, is_chain: bool) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct((*x.shape[:-1], w_shape[-1] if is_chain else w_shape[-2]), F32)
+
+
+def _entry(is_chain: bool, x: jax.Array, w: Entry, ends: jax.Array | None, mode: int) -> jax.Array:
+    if is_chain:
+        name = TARGET + "_chain_at"
+    else:
+        name = TARGET + ("_at" if ends is None else "_at_ends")
+
+    def kernel(x, stacked, index, *ends):
+        call = jax.ffi.ffi_call(name, _out_shape(x, stacked.shape, is_chain), vmap_method="sequential")
+        return call(x, stacked, index, *ends, **({} if not ends else {"mode": np.int32(mode)}))
+
+    def other(x, stacked, index, *ends):
+        return _masked(_einsum(x, Entry(stacked, index).get(), is_chain), ends[0] if ends else None, mode)
+
+    index = jnp.asarray(w.index, jnp.int32)
+    args = (x, w.stacked, index) + (() if ends is None else (ends,))
+    if not _REGISTERED:
+        return other(*args)
+    return jax.lax.platform_dependent(*args, cpu=kernel, default=other)
 
 
 def _primal(x: jax.Array, w: jax.Array) -> jax.Array:
+    def kernel(x, w):
+        # Under vmap, an unbatched operand gets a leading 1 and the kernel broadcasts it (no copies).
+        return jax.ffi.ffi_call(TARGET, _out_shape(x, w.shape, False), vmap_method="expand_dims")(x, w)
+
     if not _REGISTERED:
         return _einsum(x, w)
     # The kernel on CPU, XLA's matmul elsewhere; only the branch for the compiling platform is lowered.
-    return jax.lax.platform_dependent(x, w, cpu=_kernel, default=_einsum)
+    return jax.lax.platform_dependent(x, w, cpu=kernel, default=_einsum)
 
 
-def rowdot(x: jax.Array, w: jax.Array | Entry) -> jax.Array:
-    """x [..., M, I] float32 @ w [..., N, I].T float32 -> [..., M, N] float32, each output rounded the same
-    way for any M. w is 2-D (shared by every leading index of x) or has x's leading dims; an Entry is
-    read in place (not differentiable: it serves the KV cache)."""
-    if isinstance(w, Entry):
-        return _entry(x, w)
-    return _dense(x, w)
+def _primal_ends(x: jax.Array, w: jax.Array, ends: jax.Array, mode: int, is_chain: bool) -> jax.Array:
+    def kernel(x, w, ends):
+        name = TARGET + ("_chain" if is_chain else "_ends")
+        call = jax.ffi.ffi_call(name, _out_shape(x, w.shape, is_chain), vmap_method="broadcast_all")
+        return call(x, w, ends, mode=np.int32(mode))
 
+    def other(x, w, ends):
+        return _masked(_einsum(x, w, is_chain), ends, mode)
 
-def _entry(x: jax.Array, w: Entry) -> jax.Array:
-    def kernel(x, stacked, index):
-        out = jax.ShapeDtypeStruct((*x.shape[:-1], stacked.shape[-2]), F32)
-        return jax.ffi.ffi_call(TARGET + "_at", out, vmap_method="sequential")(x, stacked, index)
-
-    def other(x, stacked, index):
-        return _einsum(x, Entry(stacked, index).get())
-
-    index = jnp.asarray(w.index, jnp.int32)
     if not _REGISTERED:
-        return other(x, w.stacked, index)
-    return jax.lax.platform_dependent(x, w.stacked, index, cpu=kernel, default=other)
+        return other(x, w, ends)
+    return jax.lax.platform_dependent(x, w, ends, cpu=kernel, default=other)
+
+
+def _grads(x, w, g, is_chain: bool):
+    """d/dx and d/dw of y = x @ w.T (rowdot) or x @ w (chain), given dy = g; a shared 2-D w sums over the batch."""
+    lead = "" if w.ndim == 2 else "..."
+    dx = jnp.einsum("...MN,...KN->...MK" if is_chain else "...MN,...NK->...MK", g, w, preferred_element_type=F32)
+    dw = jnp.einsum(f"...MK,...MN->{lead}KN" if is_chain else f"...MN,...MK->{lead}NK", *((x, g) if is_chain else (g, x)),
+                    preferred_element_type=F32)  # fmt: skip
+    return dx.astype(x.dtype), dw.astype(w.dtype)
 
 
 @jax.custom_vjp
@@ -109,15 +192,21 @@ def _dense(x: jax.Array, w: jax.Array) -> jax.Array:
     return _primal(x, w)
 
 
-def _fwd(x, w):
-    return _primal(x, w), (x, w)
+_dense.defvjp(lambda x, w: (_primal(x, w), (x, w)), lambda res, g: _grads(*res, g, False))
 
 
-def _bwd(res, g):
-    x, w = res
-    dw = "...MN,...MI->NI" if w.ndim == 2 else "...MN,...MI->...NI"  # a shared w sums over the batch
-    return (jnp.einsum("...MN,...NI->...MI", g, w, preferred_element_type=F32).astype(x.dtype),
-            jnp.einsum(dw, g, x, preferred_element_type=F32).astype(w.dtype))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _dense_ends(x: jax.Array, w: jax.Array, ends: jax.Array, mode: int, is_chain: bool) -> jax.Array:
+    return _primal_ends(x, w, ends, mode, is_chain)
 
 
-_dense.defvjp(_fwd, _bwd)
+def _fwd_ends(x, w, ends, mode, is_chain):
+    return _primal_ends(x, w, ends, mode, is_chain), (x, w, ends)
+
+
+def _bwd_ends(mode, is_chain, res, g):
+    x, w, ends = res
+    return (*_grads(x, w, _masked(g, ends, mode), is_chain), None)  # skipped outputs are constant zeros
+
+
+_dense_ends.defvjp(_fwd_ends, _bwd_ends)

@@ -20,6 +20,7 @@
 #include <memory>
 #include <thread>
 
+#include "chain.h"
 #include "rowdot.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -29,9 +30,11 @@ namespace {
 
 using rowdot::Problem;
 
-// `batch` problems of the same shape, problem b at x + b * x_step, w + b * w_step, y + b * M * N.
+// `batch` problems of the same shape, problem b at x + b * x_step, w + b * w_step, y + b * M * N
+// (and ends + b * M when x_step is not 0).
 struct Shared {
   Problem p;  // problem 0
+  bool chain;  // chain's arithmetic (w [K, N]) instead of rowdot's (w [N, K])
   int64_t batch, x_step, w_step;
   int64_t row_blocks, per_problem, items;
   std::atomic<int64_t> next{0}, done{0};
@@ -42,19 +45,23 @@ void Work(Shared& s) {
     int64_t b = i / s.per_problem;
     Problem p = s.p;
     p.x += b * s.x_step, p.w += b * s.w_step, p.y += b * p.M * p.N;
-    rowdot::Item(p, s.row_blocks, i % s.per_problem);
+    if (p.ends != nullptr && s.x_step != 0) p.ends += b * p.M;
+    if (s.chain)
+      chain::Item(p, s.row_blocks, i % s.per_problem);
+    else
+      rowdot::Item(p, s.row_blocks, i % s.per_problem);
     s.done.fetch_add(1, std::memory_order_release);
   }
 }
 
 // Every problem's work items in one list, shared by XLA's own intra-op threads and this one. The caller
 // waits only for items some thread has claimed, so a task the pool starts late finds nothing left.
-void Run(ffi::ThreadPool& pool, const Problem& p, int64_t batch, int64_t x_step, int64_t w_step) {
+void Run(ffi::ThreadPool& pool, const Problem& p, int64_t batch, int64_t x_step, int64_t w_step, bool chain) {
   if (p.M == 0 || p.N == 0 || batch == 0) return;
   auto s = std::make_shared<Shared>();
-  s->p = p, s->batch = batch, s->x_step = x_step, s->w_step = w_step;
-  s->row_blocks = rowdot::RowBlocks(p);
-  s->per_problem = rowdot::Items(p);
+  s->p = p, s->chain = chain, s->batch = batch, s->x_step = x_step, s->w_step = w_step;
+  s->row_blocks = chain ? chain::RowBlocks(p) : rowdot::RowBlocks(p);
+  s->per_problem = chain ? chain::Items(p) : rowdot::Items(p);
   s->items = batch * s->per_problem;
   int64_t helpers = std::min<int64_t>(pool.num_threads(), s->items) - 1;
   for (int64_t t = 0; t < helpers; ++t) pool.Schedule([s] { Work(*s); });
@@ -68,19 +75,22 @@ int64_t Product(const int64_t* dims, size_t n) {
   return p;
 }
 
-// y = x . w over the last axis; x dims xd (rank xn >= 2), w dims wd (rank wn >= 2).
+// y = x . w over the last axis of x; x dims xd (rank xn >= 2), w dims wd (rank wn >= 2): [..., N, K], or
+// [..., K, N] for chain; ends (x's dims but the last, or null) as `mode` says (see rowdot::Ends).
 ffi::Error Multiply(ffi::ThreadPool& pool, const float* xp, const int64_t* xd, size_t xn, const float* wp,
-                    const int64_t* wd, size_t wn, float* yp) {
-  if (xn < 2 || wn < 2 || xd[xn - 1] != wd[wn - 1])
-    return ffi::Error::InvalidArgument("rowdot: x [..., M, K] and w [..., N, K] must share K");
-  int64_t K = xd[xn - 1], M = xd[xn - 2], N = wd[wn - 2];
+                    const int64_t* wd, size_t wn, float* yp, const int32_t* ends = nullptr,
+                    rowdot::Ends mode = rowdot::Ends::kNone, bool chain = false) {
+  if (xn < 2 || wn < 2 || xd[xn - 1] != wd[wn - (chain ? 2 : 1)])
+    return ffi::Error::InvalidArgument(chain ? "chain: x [..., M, K] and w [..., K, N] must share K"
+                                             : "rowdot: x [..., M, K] and w [..., N, K] must share K");
+  int64_t K = xd[xn - 1], M = xd[xn - 2], N = wd[wn - (chain ? 1 : 2)];
   int64_t xb = Product(xd, xn - 2), wb = Product(wd, wn - 2);
-  Problem p{xp, wp, yp, M, N, K};
+  Problem p{xp, wp, yp, M, N, K, ends, ends == nullptr ? rowdot::Ends::kNone : mode};
   if (wb == 1) {  // one weight for every batch entry: all of x's rows in one problem
     p.M = xb * M;
-    Run(pool, p, 1, 0, 0);
+    Run(pool, p, 1, 0, 0, chain);
   } else if (xb == wb || xb == 1) {
-    Run(pool, p, wb, xb == 1 ? 0 : M * K, N * K);
+    Run(pool, p, wb, xb == 1 ? 0 : M * K, N * K, chain);
   } else {
     return ffi::Error::InvalidArgument("rowdot: leading dims of x and w must match or be 1");
   }
@@ -106,7 +116,76 @@ ffi::Error RowDotAtImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
                   y->typed_data());
 }
 
+// The two above with ends [..., M] (x's dims but the last) and what they mean, mode (rowdot::Ends).
+ffi::Error CheckEnds(ffi::AnyBuffer::Dimensions xd, ffi::Buffer<ffi::S32>& ends, int32_t mode) {
+  auto ed = ends.dimensions();
+  if (mode < 0 || mode > 2) return ffi::Error::InvalidArgument("rowdot: mode must be 0, 1 or 2");
+  if (ed.size() + 1 != xd.size() || !std::equal(ed.begin(), ed.end(), xd.begin()))
+    return ffi::Error::InvalidArgument("rowdot: ends must have x's dims but the last");
+  return ffi::Error::Success();
+}
+
+template <bool kChain>
+ffi::Error EndsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                    ffi::Buffer<ffi::S32> ends, ffi::ResultBuffer<ffi::F32> y, int32_t mode) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (auto e = CheckEnds(xd, ends, mode); e.failure()) return e;
+  return Multiply(pool, x.typed_data(), xd.begin(), xd.size(), w.typed_data(), wd.begin(), wd.size(),
+                  y->typed_data(), ends.typed_data(), static_cast<rowdot::Ends>(mode), kChain);
+}
+
+template <bool kChain>
+ffi::Error AtEndsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> stacked,
+                      ffi::Buffer<ffi::S32> index, ffi::Buffer<ffi::S32> ends, ffi::ResultBuffer<ffi::F32> y,
+                      int32_t mode) {
+  auto xd = x.dimensions(), sd = stacked.dimensions();
+  if (auto e = CheckEnds(xd, ends, mode); e.failure()) return e;
+  if (sd.size() < 3) return ffi::Error::InvalidArgument("rowdot_at: stacked must be [L, ..., N, K]");
+  int64_t L = sd[0], i = std::clamp<int64_t>(index.typed_data()[0], 0, L - 1);
+  const float* w = stacked.typed_data() + i * Product(sd.begin() + 1, sd.size() - 1);
+  return Multiply(pool, x.typed_data(), xd.begin(), xd.size(), w, sd.begin() + 1, sd.size() - 1,
+                  y->typed_data(), ends.typed_data(), static_cast<rowdot::Ends>(mode), kChain);
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GPT2JaxRowDotEnds, EndsImpl<false>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("mode"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GPT2JaxChain, EndsImpl<true>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("mode"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GPT2JaxRowDotAtEnds, AtEndsImpl<false>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("mode"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GPT2JaxChainAt, AtEndsImpl<true>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("mode"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GPT2JaxRowDot, RowDotImpl,
                               ffi::Ffi::Bind()
@@ -133,6 +212,22 @@ static PyObject* HandlerAt(PyObject*, PyObject*) {
   return PyCapsule_New(reinterpret_cast<void*>(GPT2JaxRowDotAt), nullptr, nullptr);
 }
 
+static PyObject* HandlerEnds(PyObject*, PyObject*) {
+  return PyCapsule_New(reinterpret_cast<void*>(GPT2JaxRowDotEnds), nullptr, nullptr);
+}
+
+static PyObject* HandlerAtEnds(PyObject*, PyObject*) {
+  return PyCapsule_New(reinterpret_cast<void*>(GPT2JaxRowDotAtEnds), nullptr, nullptr);
+}
+
+static PyObject* HandlerChain(PyObject*, PyObject*) {
+  return PyCapsule_New(reinterpret_cast<void*>(GPT2JaxChain), nullptr, nullptr);
+}
+
+static PyObject* HandlerChainAt(PyObject*, PyObject*) {
+  return PyCapsule_New(reinterpret_cast<void*>(GPT2JaxChainAt), nullptr, nullptr);
+}
+
 static PyObject* Isa(PyObject*, PyObject*) {
   return PyUnicode_FromString(rowdot::Pick().few.isa);
 }
@@ -145,6 +240,10 @@ static PyObject* Usable(PyObject*, PyObject*) {
 static PyMethodDef kMethods[] = {
     {"handler", Handler, METH_NOARGS, "The XLA FFI handler, as a capsule for jax.ffi.register_ffi_target."},
     {"handler_at", HandlerAt, METH_NOARGS, "The handler of the variant reading one entry of a stacked w."},
+    {"handler_ends", HandlerEnds, METH_NOARGS, "The handler taking per-row ends (see rowdot::Ends)."},
+    {"handler_at_ends", HandlerAtEnds, METH_NOARGS, "handler_at taking per-row ends."},
+    {"handler_chain", HandlerChain, METH_NOARGS, "chain (w [..., K, N], one FMA chain per output), with ends."},
+    {"handler_chain_at", HandlerChainAt, METH_NOARGS, "handler_chain reading one entry of a stacked w."},
     {"isa", Isa, METH_NOARGS, "Which instruction set the kernel runs with here: 'avx512' or 'avx2'."},
     {"usable", Usable, METH_NOARGS, "Whether this CPU has what the kernel needs (AVX2 and FMA)."},
     {nullptr, nullptr, 0, nullptr}};

@@ -170,12 +170,27 @@ inline const Kernels& Pick() {
 
 inline const Kernel& For(int64_t rows) { return rows <= Pick().few.mr ? Pick().few : Pick().many; }
 
+// What a row's end means (rowdot's `ends`, one int per x row): nothing; outputs n >= end are not needed
+// (attention's scores past a query's last visible slot: written as 0, never computed); or x[m, k] == 0
+// for k >= end (attention's weights there), so the dot product may stop at the first multiple of 16 at
+// or past it. Both leave every computed output's bits as they were: a skipped product adds an exact
+// zero to its lane (a zero's sign aside).
+enum class Ends { kNone = 0, kOutputs = 1, kInputs = 2 };
+
 struct Problem {
   const float* x;
   const float* w;
   float* y;
   int64_t M, N, K;
+  const int32_t* ends = nullptr;  // [M], or null
+  Ends mode = Ends::kNone;
 };
+
+inline int64_t MaxEnd(const Problem& p, int64_t m, int64_t mm) {
+  int64_t e = 0;
+  for (int64_t i = 0; i < mm; ++i) e = std::max<int64_t>(e, p.ends[m + i]);
+  return e;
+}
 
 // Rows [m0, m1) x columns [n0, n1) of y. A short last tile repeats its last row or column (computed the
 // same way, then dropped), so every output goes through the same instructions. The first row tile of
@@ -184,18 +199,27 @@ struct Problem {
 // 1, 2 threads, on a 2-core AMD EPYC).
 inline void Block(const Problem& p, const Kernel& kern, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
   const int64_t ahead = kern.nr * p.K;  // floats from a w row to the same k in the next tile's row
-  float out[24];  // mr x nr
+  float out[48];  // mr x nr
   const float* xs[8];
-  const float* ws[6];
+  const float* ws[12];
   for (int64_t n = n0; n < n1; n += kern.nr) {
     int64_t nn = std::min<int64_t>(kern.nr, n1 - n);
     for (int j = 0; j < kern.nr; ++j) ws[j] = p.w + (n + std::min<int64_t>(j, nn - 1)) * p.K;
     for (int64_t m = m0; m < m1; m += kern.mr) {
       int64_t mm = std::min<int64_t>(kern.mr, m1 - m);
+      int64_t K = p.K;
+      if (p.mode == Ends::kOutputs && n >= MaxEnd(p, m, mm)) {
+        for (int i = 0; i < mm; ++i)
+          for (int j = 0; j < nn; ++j) p.y[(m + i) * p.N + n + j] = 0.0f;
+        continue;
+      }
+      if (p.mode == Ends::kInputs) K = std::min(K, (MaxEnd(p, m, mm) + 15) / 16 * 16);
       for (int i = 0; i < mm; ++i) xs[i] = p.x + (m + i) * p.K;
-      kern.tiles[mm](xs, ws, p.K, out, m == m0 ? ahead : 0);
-      for (int i = 0; i < mm; ++i)
-        for (int j = 0; j < nn; ++j) p.y[(m + i) * p.N + n + j] = out[i * kern.nr + j];
+      kern.tiles[mm](xs, ws, K, out, m == m0 ? ahead : 0);
+      for (int i = 0; i < mm; ++i) {
+        int64_t end = p.mode == Ends::kOutputs ? p.ends[m + i] : p.N;  // outputs past a row's end are 0
+        for (int j = 0; j < nn; ++j) p.y[(m + i) * p.N + n + j] = n + j < end ? out[i * kern.nr + j] : 0.0f;
+      }
     }
   }
 }

@@ -1,0 +1,137 @@
+// chain's arithmetic: y[m, n] = sum_k x[m, k] * w[k, n] with w as [K, N] (the KV cache's keys transposed,
+// its values as they come), each output ONE fused multiply-add chain in k order:
+//   acc = 0; for k = 0 .. K-1: acc = fma(x[m, k], w[k, n], acc)
+// Lanes run over outputs n, so no lane is ever summed with another: a tile of MR rows x NV vectors of
+// outputs takes one broadcast x value and one w vector per multiply-add, with none of rowdot's lane sums.
+// That suits attention, whose dot products are short (64 for the scores): rowdot spent as long summing
+// lanes as multiplying there. Any tile shape, vector width (AVX-512 or AVX2), thread split or batch gives
+// every output the same chain, so the same bits. (No XLA, no Python here: a plain C++ program can time it.)
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "rowdot.h"  // Problem, Ends, MaxEnd, Pick (which ISA)
+
+namespace chain {
+
+using rowdot::Ends;
+using rowdot::Problem;
+
+constexpr int kMR = 6;                // x rows per tile
+constexpr int kNV = 4;                // 16-lane vectors of outputs per tile (64 outputs: one head's values)
+constexpr int64_t kRowBlock = 48;     // x rows per work item
+constexpr int64_t kColBlock = 256;    // outputs per work item
+
+inline __mmask16 Lanes16(int64_t n) { return static_cast<__mmask16>((1u << std::clamp<int64_t>(n, 0, 16)) - 1); }
+
+// Rows x[0 .. MR) (row stride xs) against w (row stride ws) over k in [0, K), outputs [0, nn) of each row
+// (nn <= 64; absent lanes load zeros and are not stored), into y (row stride ys). The four accumulator
+// arrays are spelled out: an [MR][4] array of vectors makes GCC keep a copy in memory.
+template <int MR>
+__attribute__((target("avx512f,avx2,fma"))) void Tile512(const float* x, int64_t xs, const float* w, int64_t ws,
+                                                         int64_t K, int64_t nn, float* y, int64_t ys) {
+  const __mmask16 m0 = Lanes16(nn), m1 = Lanes16(nn - 16), m2 = Lanes16(nn - 32), m3 = Lanes16(nn - 48);
+  __m512 a0[MR], a1[MR], a2[MR], a3[MR];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) a0[i] = a1[i] = a2[i] = a3[i] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const float* wk = w + k * ws;
+    __m512 w0 = _mm512_maskz_loadu_ps(m0, wk), w1 = _mm512_maskz_loadu_ps(m1, wk + 16);
+    __m512 w2 = _mm512_maskz_loadu_ps(m2, wk + 32), w3 = _mm512_maskz_loadu_ps(m3, wk + 48);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      __m512 xv = _mm512_set1_ps(x[i * xs + k]);
+      a0[i] = _mm512_fmadd_ps(xv, w0, a0[i]);
+      a1[i] = _mm512_fmadd_ps(xv, w1, a1[i]);
+      a2[i] = _mm512_fmadd_ps(xv, w2, a2[i]);
+      a3[i] = _mm512_fmadd_ps(xv, w3, a3[i]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+    _mm512_mask_storeu_ps(y + i * ys, m0, a0[i]);
+    _mm512_mask_storeu_ps(y + i * ys + 16, m1, a1[i]);
+    _mm512_mask_storeu_ps(y + i * ys + 32, m2, a2[i]);
+    _mm512_mask_storeu_ps(y + i * ys + 48, m3, a3[i]);
+  }
+}
+
+__attribute__((target("avx2"))) inline __m256i Lanes8(int64_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::clamp<int64_t>(n, 0, 8))),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// The same with 8-lane vectors, 16 outputs at a time (AVX2 has 16 registers): each output's chain is
+// unchanged.
+template <int MR>
+__attribute__((target("avx2,fma"))) void Tile256(const float* x, int64_t xs, const float* w, int64_t ws,
+                                                 int64_t K, int64_t nn, float* y, int64_t ys) {
+  for (int64_t n = 0; n < nn; n += 16) {
+    const __m256i m0 = Lanes8(nn - n), m1 = Lanes8(nn - n - 8);
+    __m256 a0[MR], a1[MR];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) a0[i] = a1[i] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; ++k) {
+      const float* wk = w + k * ws + n;
+      __m256 w0 = _mm256_maskload_ps(wk, m0), w1 = _mm256_maskload_ps(wk + 8, m1);
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {
+        __m256 xv = _mm256_set1_ps(x[i * xs + k]);
+        a0[i] = _mm256_fmadd_ps(xv, w0, a0[i]);
+        a1[i] = _mm256_fmadd_ps(xv, w1, a1[i]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      _mm256_maskstore_ps(y + i * ys + n, m0, a0[i]);
+      _mm256_maskstore_ps(y + i * ys + n + 8, m1, a1[i]);
+    }
+  }
+}
+
+using TileFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*, int64_t);
+
+inline const TileFn* Tiles() {  // Tiles()[r]: r rows (1 <= r <= kMR)
+  static const TileFn avx512[] = {nullptr, Tile512<1>, Tile512<2>, Tile512<3>, Tile512<4>, Tile512<5>, Tile512<6>};
+  static const TileFn avx2[] = {nullptr, Tile256<1>, Tile256<2>, Tile256<3>, Tile256<4>, Tile256<5>, Tile256<6>};
+  return std::string(rowdot::Pick().few.isa) == "avx512" ? avx512 : avx2;
+}
+
+// Rows [m0, m1) x outputs [n0, n1) of y, column tiles outside (a w panel stays in L1 across row tiles).
+// Ends (see rowdot::Ends): kOutputs skips a tile past every row's end and zeroes outputs past each row's
+// own; kInputs stops a tile's chains at its rows' largest end (later products are exact zeros).
+inline void Block(const Problem& p, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+  const TileFn* tiles = Tiles();
+  for (int64_t n = n0; n < n1; n += 16 * kNV) {
+    int64_t nn = std::min<int64_t>(16 * kNV, n1 - n);
+    for (int64_t m = m0; m < m1; m += kMR) {
+      int64_t mm = std::min<int64_t>(kMR, m1 - m);
+      float* y = p.y + m * p.N + n;
+      int64_t K = p.K;
+      if (p.mode == Ends::kOutputs && n >= rowdot::MaxEnd(p, m, mm)) {
+        for (int i = 0; i < mm; ++i) std::fill(y + i * p.N, y + i * p.N + nn, 0.0f);
+        continue;
+      }
+      if (p.mode == Ends::kInputs) K = std::min<int64_t>(K, rowdot::MaxEnd(p, m, mm));
+      tiles[mm](p.x + m * p.K, p.K, p.w + n, p.N, K, nn, y, p.N);
+      if (p.mode == Ends::kOutputs)
+        for (int i = 0; i < mm; ++i) {
+          int64_t end = std::clamp<int64_t>(p.ends[m + i] - n, 0, nn);
+          std::fill(y + i * p.N + end, y + i * p.N + nn, 0.0f);
+        }
+    }
+  }
+}
+
+inline int64_t RowBlocks(const Problem& p) { return (p.M + kRowBlock - 1) / kRowBlock; }
+inline int64_t Items(const Problem& p) { return chain::RowBlocks(p) * ((p.N + kColBlock - 1) / kColBlock); }
+
+inline void Item(const Problem& p, int64_t row_blocks, int64_t i) {
+  int64_t rb = i % row_blocks, cb = i / row_blocks;
+  chain::Block(p, rb * kRowBlock, std::min(p.M, (rb + 1) * kRowBlock), cb * kColBlock, std::min(p.N, (cb + 1) * kColBlock));
+}
+
+}  // namespace chain
