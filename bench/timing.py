@@ -18,6 +18,16 @@ def best_of(fn, repeats: int) -> float:
     return min(timed(fn) for _ in range(repeats))
 
 
+def best_of_each(fns, repeats: int) -> list[float]:
+    """Shortest wall time of each fn over `repeats` rounds, the fns taking turns within a round, so that
+    a slow spell of a shared machine (its speed drifts over minutes) falls on every side alike."""
+    times = [[] for _ in fns]
+    for _ in range(repeats):
+        for t, fn in zip(times, fns):
+            t.append(timed(fn))
+    return [min(t) for t in times]
+
+
 def _status(key: str) -> int:
     with open("/proc/self/status") as f:
         return int(f.read().split(key + ":")[1].split()[0]) * 1024  # kB

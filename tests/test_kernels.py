@@ -211,3 +211,16 @@ def test_chain_gradient_and_entry():
     f = jax.jit(lambda a, s, i: chain(a, Entry(s, i), out_ends=ends))
     for layer in (0, 2):
         assert (bits(f(x, stacked, jnp.int32(layer))) == bits(chain(x, stacked[layer], out_ends=ends))).all()
+
+
+def test_cumsum_is_torchs_float64_accumulation_rounded_once_per_prefix():
+    """The sampler's prefix sums: numpy's sequential float64 cumsum, rounded to float32, bit for bit, the
+    same for a row alone; and a float32 scan (XLA's jnp.cumsum) as the contrast that drifts."""
+    from gpt2_jax.sampling.filters import cumsum
+
+    rng = np.random.default_rng(9)
+    x = (rng.random((5, 50257)) / 25000).astype(np.float32)
+    got = bits(jax.jit(cumsum)(x))
+    assert (got == bits(np.cumsum(x.astype(np.float64), -1).astype(np.float32))).all()
+    assert (bits(jax.jit(cumsum)(x[2:3])) == got[2:3]).all()
+    assert (bits(jax.jit(lambda a: jnp.cumsum(a, -1))(x)) != got).any()

@@ -15,7 +15,9 @@ compute each output by the same instructions whatever M is:
           attention's short dot products (64 for the scores), where rowdot's lane sums cost as much as
           its multiply-adds.
 
-Both can skip work a row does not need without changing anything it does need (attention's causal
+`cumsum` is the sampler's prefix sum, accumulated in float64 as torch's is.
+
+Both matmuls can skip work a row does not need without changing anything it does need (attention's causal
 corner): `out_ends` / `in_ends`, one int32 per row (see rowdot). An Entry (one layer of the stacked KV
 cache) is read where it lies.
 
@@ -46,7 +48,7 @@ _REGISTERED = False
 if _rowdot is not None and _rowdot.usable():
     for _suffix, _handler in (("", _rowdot.handler), ("_at", _rowdot.handler_at), ("_ends", _rowdot.handler_ends),
                               ("_at_ends", _rowdot.handler_at_ends), ("_chain", _rowdot.handler_chain),
-                              ("_chain_at", _rowdot.handler_chain_at)):  # fmt: skip
+                              ("_chain_at", _rowdot.handler_chain_at), ("_cumsum", _rowdot.handler_cumsum)):  # fmt: skip
         jax.ffi.register_ffi_target(TARGET + _suffix, _handler(), platform="cpu")
     _REGISTERED = True
 
@@ -115,6 +117,18 @@ def _product(is_chain: bool, x, w, out_ends, in_ends) -> jax.Array:
     if ends is None:
         return _dense(x, w)
     return _dense_ends(x, w, ends, mode, is_chain)
+
+
+def cumsum(x: jax.Array, other) -> jax.Array | None:
+    """x [..., N] float32 -> [..., N]: each prefix sum accumulated in float64 and rounded to float32 (as
+    torch's CPU cumsum does), one sequential pass per row; `other(x)` where the kernel does not run."""
+    if not _REGISTERED:
+        return other(x)
+
+    def kernel(x):
+        return jax.ffi.ffi_call(TARGET + "_cumsum", jax.ShapeDtypeStruct(x.shape, F32), vmap_method="broadcast_all")(x)
+
+    return jax.lax.platform_dependent(x, cpu=kernel, default=other)
 
 
 def _einsum(x: jax.Array, w: jax.Array, is_chain: bool = False) -> jax.Array:

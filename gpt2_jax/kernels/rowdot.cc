@@ -147,7 +147,30 @@ ffi::Error AtEndsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
                   y->typed_data(), ends.typed_data(), static_cast<rowdot::Ends>(mode), kChain);
 }
 
+// y[..., i] = the float32 nearest the float64 running sum of x[..., 0 .. i]: torch's CPU cumsum of float32,
+// which accumulates in float64. One sequential pass per row, so a row's sums never depend on its batch.
+// (The sampler's prefix sums: XLA has no sequential scan, and the log-depth one it builds instead takes
+// seconds to compile for a 50k-token vocabulary.)
+ffi::Error CumSumImpl(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y) {
+  auto d = x.dimensions();
+  if (d.size() < 1) return ffi::Error::InvalidArgument("cumsum: x must have at least one axis");
+  int64_t n = d[d.size() - 1], rows = n == 0 ? 0 : static_cast<int64_t>(x.element_count()) / n;
+  const float* in = x.typed_data();
+  float* out = y->typed_data();
+  for (int64_t r = 0; r < rows; ++r) {
+    double acc = 0.0;
+    for (int64_t i = 0; i < n; ++i) {
+      acc += static_cast<double>(in[r * n + i]);
+      out[r * n + i] = static_cast<float>(acc);
+    }
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GPT2JaxCumSum, CumSumImpl,
+                              ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GPT2JaxRowDotEnds, EndsImpl<false>,
                               ffi::Ffi::Bind()
@@ -228,6 +251,10 @@ static PyObject* HandlerChainAt(PyObject*, PyObject*) {
   return PyCapsule_New(reinterpret_cast<void*>(GPT2JaxChainAt), nullptr, nullptr);
 }
 
+static PyObject* HandlerCumSum(PyObject*, PyObject*) {
+  return PyCapsule_New(reinterpret_cast<void*>(GPT2JaxCumSum), nullptr, nullptr);
+}
+
 static PyObject* Isa(PyObject*, PyObject*) {
   return PyUnicode_FromString(rowdot::Pick().few.isa);
 }
@@ -244,6 +271,7 @@ static PyMethodDef kMethods[] = {
     {"handler_at_ends", HandlerAtEnds, METH_NOARGS, "handler_at taking per-row ends."},
     {"handler_chain", HandlerChain, METH_NOARGS, "chain (w [..., K, N], one FMA chain per output), with ends."},
     {"handler_chain_at", HandlerChainAt, METH_NOARGS, "handler_chain reading one entry of a stacked w."},
+    {"handler_cumsum", HandlerCumSum, METH_NOARGS, "cumsum: float32 prefix sums accumulated in float64."},
     {"isa", Isa, METH_NOARGS, "Which instruction set the kernel runs with here: 'avx512' or 'avx2'."},
     {"usable", Usable, METH_NOARGS, "Whether this CPU has what the kernel needs (AVX2 and FMA)."},
     {nullptr, nullptr, 0, nullptr}};

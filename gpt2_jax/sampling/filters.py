@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from gpt2_jax import kernels
 from gpt2_jax.errors import ConfigError, InputError
 from gpt2_jax.sampling.options import process_logits
 from gpt2_jax.sampling.settings import RowSettings, row_settings
@@ -30,14 +31,21 @@ def _two_sum(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def cumsum(x: jax.Array) -> jax.Array:
-    """Cumulative sum over the last axis [B, N] -> [B, N], in double-float32, rounded to float32."""
-    # torch's CPU cumsum accumulates float32 in float64; a float32 scan drifts by several ulps over
-    # 50k tokens, enough to move the top-p boundary. A (hi, lo) pair carries ~48 bits instead.
+    """Cumulative sum over the last axis [B, N] -> [B, N], each prefix accurate to ~2^-44 and rounded to
+    float32, the same for a row alone or in any batch."""
+    # torch's CPU cumsum accumulates float32 in float64; a float32 scan drifts by several ulps over 50k
+    # tokens, enough to move the top-p boundary. On CPU the kernel does what torch does (one sequential
+    # float64 pass per row); elsewhere a (hi, lo) float32 pair carries ~48 bits through a log-depth scan,
+    # which XLA cannot compile quickly for a 50k vocabulary (seconds), hence the kernel.
     def add(a, b):
         s, e = _two_sum(a[0], b[0])
         return _two_sum(s, e + a[1] + b[1])
 
-    return jax.lax.associative_scan(add, (x, jnp.zeros_like(x)), axis=-1)[0]
+    def double_float(x):
+        return jax.lax.associative_scan(add, (x, jnp.zeros_like(x)), axis=-1)[0]
+
+    x = x.astype(jnp.float32)
+    return kernels.cumsum(x, double_float) if jax.sharding.get_abstract_mesh().empty else double_float(x)
 
 
 def apply_temperature(logits: jax.Array, settings: RowSettings, n_valid: int | None = None) -> jax.Array:
