@@ -20,7 +20,7 @@ from gpt2_jax.sharding import constrain
 
 
 class KVCache(NamedTuple):
-    k: jax.Array  # [L, B, H, K, S] keys of every layer, head-major and transposed (see layers.attend)
+    k: jax.Array  # [L, B, H, K, S] keys of every layer, head-major and transposed (see gpt2_jax.attend)
     v: jax.Array  # [L, B, H, S, K] values, head-major (attention batches over B, H untransposed)
     lengths: jax.Array  # [B] int32: tokens held by row b; its next token goes to slot lengths[b]
 

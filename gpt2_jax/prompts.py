@@ -74,7 +74,7 @@ def make_batch(prompts: Any, config: GPT2Config, max_new_tokens: int) -> Batch:
 
 def cache_capacity(prompt_len: int, max_new_tokens: int, config: GPT2Config) -> int:
     """The cache slots S for a prompt and a step count: both bucketed, then rounded up to whole blocks of
-    attention's key slots, so the cache is scored without padding (see layers.attend)."""
+    attention's key slots, so the cache is scored without padding (see gpt2_jax.attend)."""
     total = bucket(prompt_len, config.n_positions) + bucket(max_new_tokens, config.n_positions)
     return -(-total // KEY_BLOCK) * KEY_BLOCK
 

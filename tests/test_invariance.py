@@ -120,3 +120,28 @@ def test_transformers_cached_decode_is_not_bit_identical_to_its_forward(model):
     differ = np.abs(np.stack(step_logits) - full)
     assert (bits(np.stack(step_logits)) != bits(full)).any()  # not the same bits ...
     assert differ.max() < 1e-4  # ... though numerically close
+
+
+@pytest.mark.parametrize("name", SETTINGS)
+def test_without_the_kernels_decode_still_equals_a_full_forward(model, batch_runs, monkeypatch, name):
+    """Where the C++ kernels do not run (no compiler at install, a GPU), XLA computes every product and
+    the prefix sums, in forms that keep the same property; its tokens agree with the kernels' run."""
+    from gpt2_jax import kernels
+
+    _, params, config = model
+    monkeypatch.setattr(kernels, "_REGISTERED", False)
+    jax.clear_caches()  # programs traced with the kernels must not be reused (nor these, after)
+    try:
+        assert kernels.available() is None
+        keys = jax.random.split(jax.random.key(11), len(PROMPTS))
+        out = generate(params, config, PROMPTS[2:3], keys[2:3], max_new_tokens=N, eos_id=None,
+                       return_logprobs=True, **SETTINGS[name])  # fmt: skip
+        seq = np.array([PROMPTS[2] + out.tokens[0].tolist()])
+        logp = np.asarray(jax.nn.log_softmax(gpt2_jax.forward(params, seq, config))[0])
+        expected = logp[np.arange(len(PROMPTS[2]) - 1, len(PROMPTS[2]) - 1 + N), out.tokens[0]]
+        np.testing.assert_array_equal(bits(out.logprobs[0]), bits(expected))
+        np.testing.assert_array_equal(out.tokens[0], batch_runs[name].tokens[2])  # the same text as with the kernels
+        np.testing.assert_allclose(out.logprobs[0], batch_runs[name].logprobs[2], rtol=1e-5, atol=1e-5)
+        assert (bits(out.logprobs[0]) != bits(batch_runs[name].logprobs[2])).any()  # XLA's arithmetic did run
+    finally:
+        jax.clear_caches()

@@ -115,7 +115,7 @@ def test_training_attention_equals_inference_attention():
     attention, to float32 rounding."""
     q, k, v = jax.random.normal(jax.random.key(0), (3, 2, 4, 37, 16))
     fast = attend_causal(q, k, v, jnp.float32(0.25))
-    blocked = attend(q, k, jnp.swapaxes(v, -1, -2), causal_mask(37), jnp.float32(0.25))
+    blocked = attend(q, jnp.swapaxes(k, -1, -2), v, causal_mask(37), jnp.float32(0.25))  # keys transposed
     assert rel_err(fast, blocked) <= 1e-6
 
 

@@ -81,6 +81,13 @@ def available() -> str | None:
     return _rowdot.isa() if _REGISTERED else None
 
 
+def fits(*operands) -> bool:
+    """Whether a product of these operands runs in the kernels: all float32, the extension built for this
+    CPU, and no mesh (XLA cannot split a custom call; a sharded product is XLA's)."""
+    return (available() is not None and jax.sharding.get_abstract_mesh().empty
+            and all(a.dtype == F32 for a in operands))
+
+
 def rowdot(x: jax.Array, w: jax.Array | Entry, *, out_ends: jax.Array | None = None,
            in_ends: jax.Array | None = None) -> jax.Array:
     """x [..., M, I] float32 @ w [..., N, I].T float32 -> [..., M, N] float32, each output rounded the same
