@@ -54,7 +54,7 @@ def attend(q: jax.Array, kt, v, mask: jax.Array, scale: jax.Array,
     if Tq > T:
         q = jnp.pad(q, ((0, 0), (0, 0), (0, Tq - T), (0, 0)), mode="edge")
         mask = jnp.pad(mask, ((0, 0), (0, Tq - T), (0, 0)), mode="edge")
-    # Each query's last visible slot + 1 (all S for a query that sees nothing): rowdot skips the scores
+    # Each query's last visible slot + 1 (all S for a query that sees nothing): the kernel skips the scores
     # past it and the weighted sum's products there (exact zeros), half the work of a causal prefill.
     # Not under hooks, which may edit masked scores or weights.
     ends = None

@@ -126,9 +126,10 @@ def _product(is_chain: bool, x, w, out_ends, in_ends) -> jax.Array:
     return _dense_ends(x, w, ends, mode, is_chain)
 
 
-def cumsum(x: jax.Array, other) -> jax.Array | None:
+def cumsum(x: jax.Array, other) -> jax.Array:
     """x [..., N] float32 -> [..., N]: each prefix sum accumulated in float64 and rounded to float32 (as
-    torch's CPU cumsum does), one sequential pass per row; `other(x)` where the kernel does not run."""
+    torch's CPU cumsum does), one sequential pass per row; `other(x)` where the kernel does not run (not
+    built, or not the compiling platform; inside a mesh, where XLA cannot split it, see `fits`)."""
     if not _REGISTERED:
         return other(x)
 

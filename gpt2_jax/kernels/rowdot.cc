@@ -104,14 +104,23 @@ ffi::Error RowDotImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
                   y->typed_data());
 }
 
-// The same with w entry `index` of a stacked [L, ..., N, K] array (a layer of the KV cache), read where
-// it lies: slicing it out first would copy it. The index is clamped into [0, L), as XLA's slicing does.
+// Entry `index` of a stacked [L, ...] w (a layer of the KV cache), read where it lies: slicing it out
+// first would copy it. The index is clamped into [0, L), as XLA's slicing does. -> the entry's data; its
+// dims are sd[1:].
+ffi::Error StackedEntry(ffi::Buffer<ffi::F32>& stacked, ffi::Buffer<ffi::S32>& index, const float** w) {
+  auto sd = stacked.dimensions();
+  if (sd.size() < 3) return ffi::Error::InvalidArgument("rowdot_at: stacked must be [L, ..., N, K]");
+  int64_t L = sd[0], i = std::clamp<int64_t>(index.typed_data()[0], 0, L - 1);
+  *w = stacked.typed_data() + i * Product(sd.begin() + 1, sd.size() - 1);
+  return ffi::Error::Success();
+}
+
+// rowdot with w such an entry.
 ffi::Error RowDotAtImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> stacked,
                         ffi::Buffer<ffi::S32> index, ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions(), sd = stacked.dimensions();
-  if (sd.size() < 3) return ffi::Error::InvalidArgument("rowdot_at: stacked must be [L, ..., N, K]");
-  int64_t L = sd[0], i = std::clamp<int64_t>(index.typed_data()[0], 0, L - 1);
-  const float* w = stacked.typed_data() + i * Product(sd.begin() + 1, sd.size() - 1);
+  const float* w;
+  if (auto e = StackedEntry(stacked, index, &w); e.failure()) return e;
   return Multiply(pool, x.typed_data(), xd.begin(), xd.size(), w, sd.begin() + 1, sd.size() - 1,
                   y->typed_data());
 }
@@ -139,10 +148,9 @@ ffi::Error AtEndsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
                       ffi::Buffer<ffi::S32> index, ffi::Buffer<ffi::S32> ends, ffi::ResultBuffer<ffi::F32> y,
                       int32_t mode) {
   auto xd = x.dimensions(), sd = stacked.dimensions();
+  const float* w;
   if (auto e = CheckEnds(xd, ends, mode); e.failure()) return e;
-  if (sd.size() < 3) return ffi::Error::InvalidArgument("rowdot_at: stacked must be [L, ..., N, K]");
-  int64_t L = sd[0], i = std::clamp<int64_t>(index.typed_data()[0], 0, L - 1);
-  const float* w = stacked.typed_data() + i * Product(sd.begin() + 1, sd.size() - 1);
+  if (auto e = StackedEntry(stacked, index, &w); e.failure()) return e;
   return Multiply(pool, x.typed_data(), xd.begin(), xd.size(), w, sd.begin() + 1, sd.size() - 1,
                   y->typed_data(), ends.typed_data(), static_cast<rowdot::Ends>(mode), kChain);
 }
@@ -172,87 +180,30 @@ ffi::Error CumSumImpl(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y) {
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GPT2JaxCumSum, CumSumImpl,
                               ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>());
 
+// The bindings, one per signature: x, w (or stacked and index), [ends and mode] -> y.
+static auto DotBinding() {
+  return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>();
+}
+
+static auto AtBinding() { return DotBinding().Arg<ffi::Buffer<ffi::S32>>(); }
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GPT2JaxRowDot, RowDotImpl, DotBinding().Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GPT2JaxRowDotAt, RowDotAtImpl, AtBinding().Ret<ffi::Buffer<ffi::F32>>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GPT2JaxRowDotEnds, EndsImpl<false>,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("mode"));
-
+                              DotBinding().Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::Buffer<ffi::F32>>().Attr<int32_t>("mode"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GPT2JaxChain, EndsImpl<true>,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("mode"));
-
+                              DotBinding().Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::Buffer<ffi::F32>>().Attr<int32_t>("mode"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GPT2JaxRowDotAtEnds, AtEndsImpl<false>,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("mode"));
-
+                              AtBinding().Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::Buffer<ffi::F32>>().Attr<int32_t>("mode"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GPT2JaxChainAt, AtEndsImpl<true>,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("mode"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GPT2JaxRowDot, RowDotImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GPT2JaxRowDotAt, RowDotAtImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                              AtBinding().Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::Buffer<ffi::F32>>().Attr<int32_t>("mode"));
 
 // ------------------------------------------------------------------------------------------------ Python
 
-static PyObject* Handler(PyObject*, PyObject*) {
-  return PyCapsule_New(reinterpret_cast<void*>(GPT2JaxRowDot), nullptr, nullptr);
-}
-
-static PyObject* HandlerAt(PyObject*, PyObject*) {
-  return PyCapsule_New(reinterpret_cast<void*>(GPT2JaxRowDotAt), nullptr, nullptr);
-}
-
-static PyObject* HandlerEnds(PyObject*, PyObject*) {
-  return PyCapsule_New(reinterpret_cast<void*>(GPT2JaxRowDotEnds), nullptr, nullptr);
-}
-
-static PyObject* HandlerAtEnds(PyObject*, PyObject*) {
-  return PyCapsule_New(reinterpret_cast<void*>(GPT2JaxRowDotAtEnds), nullptr, nullptr);
-}
-
-static PyObject* HandlerChain(PyObject*, PyObject*) {
-  return PyCapsule_New(reinterpret_cast<void*>(GPT2JaxChain), nullptr, nullptr);
-}
-
-static PyObject* HandlerChainAt(PyObject*, PyObject*) {
-  return PyCapsule_New(reinterpret_cast<void*>(GPT2JaxChainAt), nullptr, nullptr);
-}
-
-static PyObject* HandlerCumSum(PyObject*, PyObject*) {
-  return PyCapsule_New(reinterpret_cast<void*>(GPT2JaxCumSum), nullptr, nullptr);
+// A handler as a capsule for jax.ffi.register_ffi_target.
+template <XLA_FFI_Handler* kHandler>
+PyObject* Capsule(PyObject*, PyObject*) {
+  return PyCapsule_New(reinterpret_cast<void*>(kHandler), nullptr, nullptr);
 }
 
 static PyObject* Isa(PyObject*, PyObject*) {
@@ -265,13 +216,13 @@ static PyObject* Usable(PyObject*, PyObject*) {
 }
 
 static PyMethodDef kMethods[] = {
-    {"handler", Handler, METH_NOARGS, "The XLA FFI handler, as a capsule for jax.ffi.register_ffi_target."},
-    {"handler_at", HandlerAt, METH_NOARGS, "The handler of the variant reading one entry of a stacked w."},
-    {"handler_ends", HandlerEnds, METH_NOARGS, "The handler taking per-row ends (see rowdot::Ends)."},
-    {"handler_at_ends", HandlerAtEnds, METH_NOARGS, "handler_at taking per-row ends."},
-    {"handler_chain", HandlerChain, METH_NOARGS, "chain (w [..., K, N], one FMA chain per output), with ends."},
-    {"handler_chain_at", HandlerChainAt, METH_NOARGS, "handler_chain reading one entry of a stacked w."},
-    {"handler_cumsum", HandlerCumSum, METH_NOARGS, "cumsum: float32 prefix sums accumulated in float64."},
+    {"handler", Capsule<GPT2JaxRowDot>, METH_NOARGS, "The XLA FFI handler, as a capsule for jax.ffi.register_ffi_target."},
+    {"handler_at", Capsule<GPT2JaxRowDotAt>, METH_NOARGS, "The handler of the variant reading one entry of a stacked w."},
+    {"handler_ends", Capsule<GPT2JaxRowDotEnds>, METH_NOARGS, "The handler taking per-row ends (see rowdot::Ends)."},
+    {"handler_at_ends", Capsule<GPT2JaxRowDotAtEnds>, METH_NOARGS, "handler_at taking per-row ends."},
+    {"handler_chain", Capsule<GPT2JaxChain>, METH_NOARGS, "chain (w [..., K, N], one FMA chain per output), with ends."},
+    {"handler_chain_at", Capsule<GPT2JaxChainAt>, METH_NOARGS, "handler_chain reading one entry of a stacked w."},
+    {"handler_cumsum", Capsule<GPT2JaxCumSum>, METH_NOARGS, "cumsum: float32 prefix sums accumulated in float64."},
     {"isa", Isa, METH_NOARGS, "Which instruction set the kernel runs with here: 'avx512' or 'avx2'."},
     {"usable", Usable, METH_NOARGS, "Whether this CPU has what the kernel needs (AVX2 and FMA)."},
     {nullptr, nullptr, 0, nullptr}};

@@ -45,7 +45,7 @@ def cumsum(x: jax.Array) -> jax.Array:
         return jax.lax.associative_scan(add, (x, jnp.zeros_like(x)), axis=-1)[0]
 
     x = x.astype(jnp.float32)
-    return kernels.cumsum(x, double_float) if jax.sharding.get_abstract_mesh().empty else double_float(x)
+    return kernels.cumsum(x, double_float) if kernels.fits(x) else double_float(x)
 
 
 def apply_temperature(logits: jax.Array, settings: RowSettings, n_valid: int | None = None) -> jax.Array:
