@@ -115,10 +115,10 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=300, help="step calls per median")
     parser.add_argument("--vocab-size", type=int, default=50257)
     args = parser.parse_args()
+    from importlib.metadata import version
+
     import jax
     import outlines_core  # noqa: F401
-
-    from importlib.metadata import version
 
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, outlines-core {version('outlines-core')}, "
           f"python {sys.version.split()[0]}")  # fmt: skip

@@ -58,13 +58,13 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from timing import best_of  # noqa: E402  bench/timing.py, beside this script
 
 import gpt2_jax  # noqa: E402
 from gpt2_jax.config import GPT2Config  # noqa: E402
 from gpt2_jax.generate import generate  # noqa: E402
 from gpt2_jax.params import param_bytes, stack_layers, unstack_layers  # noqa: E402
 from gpt2_jax.precision import quantize_int8  # noqa: E402
-from timing import best_of  # noqa: E402  bench/timing.py, beside this script
 
 DATASHEET_BYTES_S = {"H200": 4.8e12}  # HBM bandwidth by device name fragment
 BOUND_TARGET = 1.5  # batch-1 decode within this factor of the measured bandwidth bound

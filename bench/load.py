@@ -128,7 +128,6 @@ def build(cache: Path, size: str) -> Path:
 def machine(threads: int) -> str:
     import jax
     import jax.numpy as jnp
-
     from machine import cpu, read_bandwidth  # bench/machine.py, beside this script
 
     info = cpu()

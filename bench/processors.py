@@ -103,14 +103,14 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
+    from constraints import CASES, build_report  # bench/constraints.py, beside this script
+    from machine import describe
 
     import gpt2_jax
-    from constraints import CASES, build_report  # bench/constraints.py, beside this script
     from gpt2_jax import constraints as C
     from gpt2_jax.decode import decode_step, prefill
     from gpt2_jax.generate import DECODE_CHUNK, _prepare
     from gpt2_jax.params import param_bytes
-    from machine import describe
 
     if NEW % DECODE_CHUNK or LOOP_SHORT % DECODE_CHUNK:
         raise SystemExit(f"loop lengths {LOOP_SHORT} and {NEW} must be whole chunks of {DECODE_CHUNK} steps")

@@ -101,7 +101,7 @@ def level(client, reqs: list[dict], concurrency: int) -> tuple[list[dict], float
 
 def pct(xs: list[float], p: float) -> float:
     xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+    return xs[min(len(xs) - 1, round(p / 100 * (len(xs) - 1)))]
 
 
 def transformers_peer(model_dir: str, reqs: list[dict], threads: int) -> tuple[float, int]:

@@ -43,7 +43,7 @@ class CacheView(NamedTuple):
     start: jax.Array  # [B] int32: the slot of row b's first new token (its new tokens fill [start, start + T))
     mask: jax.Array  # [B, T, S] bool: new token t of row b sees slot s iff s <= start[b] + t
 
-    def write(self, layer: jax.Array, k: jax.Array, v: jax.Array) -> "CacheView":
+    def write(self, layer: jax.Array, k: jax.Array, v: jax.Array) -> CacheView:
         """Layer `layer`'s new k, v [B, H, T, K] into their slots (in place)."""
         return self._replace(k=write_rows(self.k, layer, k, self.start, 4), v=write_rows(self.v, layer, v, self.start, 3))
 

@@ -8,8 +8,9 @@ cast on loading (dtype=) and a mesh are read by TensorStore into fresh buffers i
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -17,8 +18,8 @@ import numpy as np
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import CheckpointError, GPT2JaxError
 from gpt2_jax.files import atomic_dir
-from gpt2_jax.params import Params, _set, check_tree, dotted, stack_layers, unstack_layers
 from gpt2_jax.hostmem import host_buffer, prefetching
+from gpt2_jax.params import Params, _set, check_tree, dotted, stack_layers, unstack_layers
 
 CONFIG_FILE = "gpt2_jax.json"
 PARAMS_DIR = "params"
@@ -203,11 +204,11 @@ def restore(path: str | Path, dtype: Any = None, mesh: Any = None, progress: boo
     try:
         mapped = None if mesh is not None else _mapped(path / PARAMS_DIR, stored, dtype)
         if mapped is not None:
-            read = lambda name, d, index, bar: _mapped_shard(mapped[name], index, bar)  # noqa: E731
+            read = lambda name, d, index, bar: _mapped_shard(mapped[name], index, bar)
             return _read_leaves(read, target, progress, str(path), stacked, prefetch=False), config
         stores = _stores(path / PARAMS_DIR, stored)
         if stores is not None:
-            read = lambda name, d, index, bar: _read_shard(stores[name], d, index, bar)  # noqa: E731
+            read = lambda name, d, index, bar: _read_shard(stores[name], d, index, bar)
             return _read_leaves(read, target, progress, str(path), stacked, prefetch=True), config
         import orbax.checkpoint as ocp
 

@@ -6,14 +6,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 import jax
 
 from gpt2_jax import cli_generate, cli_serve, cli_train
-from gpt2_jax.cli_generate import BUNDLED_MODEL  # noqa: F401 (notebooks, tests and bench read it here)
 from gpt2_jax import convert as convert_mod
+from gpt2_jax.cli_generate import BUNDLED_MODEL  # noqa: F401 (notebooks, tests and bench read it here)
 from gpt2_jax.convert import HelpFormatter
 from gpt2_jax.errors import GPT2JaxError
 

@@ -23,7 +23,7 @@ class CompileTimer:
         if event in _EVENTS:
             self.seconds += duration
 
-    def __enter__(self) -> "CompileTimer":
+    def __enter__(self) -> CompileTimer:
         jax.monitoring.register_event_duration_secs_listener(self._listen)
         return self
 

@@ -93,13 +93,13 @@ class GPT2Config:
         return self.vocab_size * d + self.n_positions * d + self.n_layer * per_layer + ln
 
     @classmethod
-    def preset(cls, name: str, **overrides: Any) -> "GPT2Config":
+    def preset(cls, name: str, **overrides: Any) -> GPT2Config:
         """One of the released GPT-2 sizes, by exact name."""
         if name not in PRESETS:
             raise ConfigError(f"unknown GPT-2 preset {name!r}; known presets: {', '.join(PRESETS)}")
         return dataclasses.replace(PRESETS[name], **overrides)
 
-    def replace(self, **changes: Any) -> "GPT2Config":
+    def replace(self, **changes: Any) -> GPT2Config:
         """A copy with some fields changed (the config itself is never mutated)."""
         return dataclasses.replace(self, **changes)
 
@@ -107,7 +107,7 @@ class GPT2Config:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "GPT2Config":
+    def from_dict(cls, d: dict[str, Any]) -> GPT2Config:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:

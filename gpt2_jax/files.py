@@ -7,8 +7,9 @@ import os
 import shutil
 import uuid
 import zipfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 

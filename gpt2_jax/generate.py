@@ -11,7 +11,8 @@ completing token are dropped), so generation without them stays one jitted call.
 
 from __future__ import annotations
 
-from typing import Any, Iterator, NamedTuple
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +21,14 @@ import numpy as np
 from gpt2_jax import constraints, sampling
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.decode import (  # noqa: F401  (prefill, generate_all: part of this module's API)
-    DecodeState, Rules, StopRule, decode_chunk, decode_step, generate_all, halt, prefill,
+    DecodeState,
+    Rules,
+    StopRule,
+    decode_chunk,
+    decode_step,
+    generate_all,
+    halt,
+    prefill,
 )
 from gpt2_jax.errors import ConfigError
 from gpt2_jax.inspect.hooks import checked_hooks
@@ -76,7 +84,7 @@ def _constraint_rows(constraint: Any, rows: int, config: GPT2Config, eos: int) -
 
 def _prepare(params: Params, config: GPT2Config, prompts: Any, key: jax.Array, max_new_tokens: int, *,
              temperature: Any = 1.0, top_k: Any = 0, top_p: Any = 1.0, min_p: Any = 0.0,
-             eos_id: int | None | str = "config", stop_ids: Any = (), stop: Any = None, constraint: Any = None,
+             eos_id: int | str | None = "config", stop_ids: Any = (), stop: Any = None, constraint: Any = None,
              top_logprobs: int = 0, hooks: Any = None, **processors: Any) -> _Prepared:
     """Validate everything on the host, before anything is traced. A mesh's data axis must divide the
     rows: copies of the last row fill up to a multiple of it (rows never affect each other, so the
@@ -102,7 +110,7 @@ def generate(params: Params, config: GPT2Config, prompts: Any, key: jax.Array, *
              temperature: Any = 1.0, top_k: Any = 0, top_p: Any = 1.0, min_p: Any = 0.0,
              repetition_penalty: Any = 1.0, frequency_penalty: Any = 0.0, presence_penalty: Any = 0.0,
              logit_bias: Any = None, no_repeat_ngram_size: Any = 0, bad_words_ids: Any = None,
-             min_new_tokens: Any = 0, constraint: Any = None, eos_id: int | None | str = "config",
+             min_new_tokens: Any = 0, constraint: Any = None, eos_id: int | str | None = "config",
              stop_ids: Any = (), stop: Any = None, tokenizer: Any = None, top_logprobs: int = 0,
              return_logprobs: bool = False, draft: Any = None, num_speculative_tokens: int = 4,
              hooks: Any = None) -> GenerateResult:

@@ -12,7 +12,8 @@ import ctypes
 import mmap
 import threading
 from collections import defaultdict
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 

@@ -35,7 +35,8 @@ split every one of them by heads (see gpt2_jax.sharding). Without biases (nanoGP
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping, NamedTuple
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -166,7 +167,7 @@ def check_tree(shapes: Any, config: GPT2Config, source: str) -> None:
 def to_flat(params: Params, config: GPT2Config) -> dict[str, np.ndarray]:
     """Params pytree -> flat {h.{i}.name: array} in checkpoint shapes, layer axis unstacked (numpy, host)."""
     flat = {name: np.asarray(params[key]) for name, key in _EMBEDDINGS.items()}
-    for name, shape in layer_shapes(config).items():
+    for name in layer_shapes(config):
         stacked = np.asarray(_get(stack_layers(params)["h"], name))
         flat.update({f"h.{i}.{name}": np.ascontiguousarray(from_tree(name, stacked[i])) for i in range(config.n_layer)})
     for name in ("weight", "bias") if config.bias else ("weight",):

@@ -8,7 +8,8 @@ new bytes plus the longest stop string's length - 1 before them.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from gpt2_jax.errors import ConfigError
 

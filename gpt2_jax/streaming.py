@@ -10,15 +10,16 @@ held twice, and on a mesh each device receives only its own shards.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Sharding, SingleDeviceSharding
 
 from gpt2_jax.config import GPT2Config
-from gpt2_jax.params import _LINEAR_WEIGHTS, Params, _set, check_flat, layer_shapes, tree_shape
 from gpt2_jax.hostmem import prefetching
+from gpt2_jax.params import _LINEAR_WEIGHTS, Params, _set, check_flat, layer_shapes, tree_shape
 from gpt2_jax.tensors import Index, Lazy, then, transposed
 
 CHUNK_BYTES = 4 << 20  # per copy: small enough to stay in the allocator's warm memory

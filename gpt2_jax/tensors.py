@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import json
 import mmap
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -138,7 +139,7 @@ def safetensors_file(path: Path, budget: int | None = None) -> dict[str, Lazy]:
         count, at = int(np.prod(shape)), offsets[name]
 
         def read(index: Index) -> np.ndarray:
-            view = lambda m: np.frombuffer(m, dtype, count, at).reshape(shape)[index]  # noqa: E731
+            view = lambda m: np.frombuffer(m, dtype, count, at).reshape(shape)[index]
             return file.read(part_bytes(shape, dtype.itemsize, index), view)
 
         return Lazy(shape, dtype, read, whole=lambda: np.frombuffer(private(), dtype, count, at).reshape(shape))

@@ -58,7 +58,7 @@ def encoding_from_file(path: str | Path) -> tiktoken.Encoding:
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tokenizer(ranks_file: str | None = None) -> tiktoken.Encoding:
     """The tiktoken "gpt2" Encoding (50257 tokens, <|endoftext|> = 50256), offline if need be."""
     ranks_file = ranks_file or os.environ.get("GPT2_JAX_TIKTOKEN_FILE")

@@ -60,7 +60,7 @@ def test_wrong_shape_names_key_and_both_shapes(model, hf_dir):
 def test_untied_lm_head(model, hf_dir):
     state = hf_state(model, lm_head=True)
     state["lm_head.weight"] = state["lm_head.weight"].clone() + 1
-    with pytest.raises(CheckpointError, match="lm_head.weight is not tied to wte.weight"):
+    with pytest.raises(CheckpointError, match=r"lm_head\.weight is not tied to wte\.weight"):
         gpt2_jax.load(write_state(hf_dir, state))
 
 
@@ -79,7 +79,7 @@ def test_truncated_file(model, tmp_path, kind):
 
 def test_unknown_format(tmp_path):
     (tmp_path / "weights.txt").write_text("hello")
-    with pytest.raises(CheckpointError, match="weights.txt: unknown checkpoint format"):
+    with pytest.raises(CheckpointError, match=r"weights\.txt: unknown checkpoint format"):
         gpt2_jax.load(tmp_path / "weights.txt")
     (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointError, match="empty: unknown checkpoint format"):
@@ -110,7 +110,7 @@ def test_unsupported_config_field(hf_dir, field, value, message):
 
 def test_weight_files_missing(hf_dir):
     (hf_dir / "model.safetensors").unlink()
-    with pytest.raises(CheckpointError, match="has config.json but none of the weight files"):
+    with pytest.raises(CheckpointError, match=r"has config\.json but none of the weight files"):
         gpt2_jax.load(hf_dir)
 
 

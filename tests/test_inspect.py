@@ -218,7 +218,7 @@ def test_bad_input_is_a_clear_error(model):
         gpt2_jax.run_with_hooks(params, TOKENS, config, {"blocks.1.hook_mlp_out": lambda x: x[..., :1]})
     with pytest.raises(InputError, match="a hook is a \\(name, function\\) pair"):
         inspect.hooks({"hook_embed": 3.0})
-    with pytest.raises(InputError, match="unknown block hook point 'resid_pre'.*hook_resid_pre"):
+    with pytest.raises(InputError, match=r"unknown block hook point 'resid_pre'.*hook_resid_pre"):
         inspect.activation_patching(params, TOKENS, TOKENS, config, lambda lg: lg.sum(), "resid_pre")
 
 

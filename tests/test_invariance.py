@@ -110,7 +110,7 @@ def test_transformers_cached_decode_is_not_bit_identical_to_its_forward(model):
     with torch.no_grad():
         out = hf(prompt, use_cache=True)
         past, step_logits, tokens = out.past_key_values, [], prompt[0].tolist()
-        for t in range(N):
+        for _ in range(N):
             token = torch.tensor([[int(out.logits[0, -1].argmax())]])
             tokens.append(int(token))
             out = hf(token, past_key_values=past, use_cache=True)

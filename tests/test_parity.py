@@ -10,7 +10,15 @@ import torch
 import gpt2_jax
 from gpt2_jax.convert import main as convert_main
 from tests.reference import (
-    exact_logits, hf_logits, hf_state, make_hf_model, random_tokens, rel_err, save_bin_dir, save_nanogpt, save_sharded_bin_dir,
+    exact_logits,
+    hf_logits,
+    hf_state,
+    make_hf_model,
+    random_tokens,
+    rel_err,
+    save_bin_dir,
+    save_nanogpt,
+    save_sharded_bin_dir,
 )
 
 TOL = 1e-5

@@ -4,8 +4,13 @@ import jax
 import numpy as np
 import pytest
 import torch
-from transformers import LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper
-from transformers import TopPLogitsWarper
+from transformers import (
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from gpt2_jax import ConfigError, sampling
 from gpt2_jax.generate import _generate, generate

@@ -9,7 +9,9 @@ import pytest
 import scipy.stats
 import torch
 from transformers.generation.logits_process import (
-    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
 )
 
 from gpt2_jax import sampling
@@ -222,7 +224,7 @@ def test_draws_follow_next_token_probs():
 
 def test_same_key_same_tokens_different_key_different_tokens():
     logits = (0.1 * np.random.default_rng(9).standard_normal((64, 100))).astype(np.float32)
-    draw = lambda key: np.asarray(sample(key, logits, temperature=1.0, top_k=0, top_p=1.0))  # noqa: E731
+    draw = lambda key: np.asarray(sample(key, logits, temperature=1.0, top_k=0, top_p=1.0))
     np.testing.assert_array_equal(draw(jax.random.key(4)), draw(jax.random.key(4)))
     assert (draw(jax.random.key(4)) != draw(jax.random.key(5))).mean() > 0.8
 
@@ -260,7 +262,7 @@ def test_traced_settings_inside_a_users_jit_and_a_scan():
     # The generation loop's entry point: per-row settings and keys inside lax.scan.
     settings = sampling.row_settings(0.9, 10, 0.95, 5)
     keys = jax.random.split(jax.random.key(8), (3, 5))
-    step = lambda c, ks: (c, sampling.sample_rows(ks, logits, settings))  # noqa: E731
+    step = lambda c, ks: (c, sampling.sample_rows(ks, logits, settings))
     scanned = jax.lax.scan(step, 0, keys)[1]
     for s in range(3):
         np.testing.assert_array_equal(scanned[s], sample(keys[s], logits, temperature=0.9, top_k=10, top_p=0.95))
@@ -318,7 +320,7 @@ def assert_draws_follow_probs(logits, t, k, p, n=20000, seed=0, n_valid=None) ->
     """n draws of each row of a batch (tiled n times: the same program) vs next_token_probs."""
     b, v = logits.shape
     expected = probs(logits, t, k, p, n_valid)
-    rows = lambda x: np.tile(np.broadcast_to(np.asarray(x), (b,)), n)  # noqa: E731
+    rows = lambda x: np.tile(np.broadcast_to(np.asarray(x), (b,)), n)
     tokens = sample(
         jax.random.key(seed), np.tile(logits, (n, 1)), temperature=rows(t), top_k=rows(k), top_p=rows(p),
         n_valid=n_valid,

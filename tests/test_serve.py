@@ -382,7 +382,7 @@ def test_concurrent_requests_equal_the_same_requests_alone(server, model):
                 client.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body={"regex": "("})
             else:
                 results[k] = run_spec(client, SPECS[k])
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             errors[k] = e
 
     threads = [threading.Thread(target=send, args=(k,)) for k in range(len(SPECS) + 1)]

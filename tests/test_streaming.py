@@ -172,7 +172,7 @@ def test_a_corrupt_torch_file_is_a_clear_error(tmp_path):
     data = bytearray(path.read_bytes())
     data[-200:] = bytes(200)  # the zip's central directory
     path.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match="pytorch_model.bin: cannot read PyTorch file"):
+    with pytest.raises(CheckpointError, match=r"pytorch_model\.bin: cannot read PyTorch file"):
         gpt2_jax.load(path)
 
 

@@ -264,7 +264,7 @@ def test_train_cli_and_fine_tune(data_dir, tmp_path, capsys):
 
 def test_bad_training_input(data_dir, tmp_path, capsys):
     (tmp_path / "empty").mkdir()
-    with pytest.raises(DataError, match="holds no .txt files"):
+    with pytest.raises(DataError, match=r"holds no \.txt files"):
         prepare(tmp_path / "empty", tmp_path / "p1")
     (tmp_path / "blank").mkdir()
     (tmp_path / "blank" / "a.txt").write_text("")

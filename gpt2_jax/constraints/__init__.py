@@ -28,7 +28,16 @@ outlines-core unrolls recursive JSON schemas to a fixed depth instead.
 from gpt2_jax.constraints.automaton import GPT2_EOS, GPT2_VOCAB, Automaton, compile_constraint, gpt2_vocabulary
 from gpt2_jax.constraints.spec import Constraint, ConstraintError, choice, escape, json_schema, regex
 from gpt2_jax.constraints.tables import (
-    FREE, MIN_C, MIN_G, MIN_Q, ConstraintTables, advance, allowed, bucket, nbytes, pack,
+    FREE,
+    MIN_C,
+    MIN_G,
+    MIN_Q,
+    ConstraintTables,
+    advance,
+    allowed,
+    bucket,
+    nbytes,
+    pack,
 )  # fmt: skip
 
 __all__ = [

@@ -122,11 +122,11 @@ def build(index, vocab_size: int, eos_id: int) -> tuple[np.ndarray, np.ndarray, 
     if states[-1] < 64 * len(states) + 65536:  # outlines' ids are small: a lookup table
         lut = np.zeros(int(states[-1]) + 1, np.int64)
         lut[order] = np.arange(len(order))
-        dense = lambda x: lut[x]  # noqa: E731
+        dense = lambda x: lut[x]
     else:
         dense_of_sorted = np.empty(len(states), np.int64)
         dense_of_sorted[np.searchsorted(states, order)] = np.arange(len(order))
-        dense = lambda x: dense_of_sorted[np.searchsorted(states, x)]  # noqa: E731
+        dense = lambda x: dense_of_sorted[np.searchsorted(states, x)]
     q, n = dense(src), dense(dst)
     accept = np.zeros(len(order), bool)
     accept[dense(finals)] = True

@@ -13,7 +13,18 @@ from gpt2_jax.inspect.patching import Patching, activation_patching
 from gpt2_jax.inspect.run import run_with_cache, run_with_hooks, traced
 
 __all__ = [
-    "BLOCK_POINTS", "Hooks", "hook_names", "hooks", "run_with_cache", "run_with_hooks", "traced",
-    "logit_lens", "accumulated_resid", "direct_logit_attribution", "dla_names", "Attribution",
-    "activation_patching", "Patching",
+    "BLOCK_POINTS",
+    "Attribution",
+    "Hooks",
+    "Patching",
+    "accumulated_resid",
+    "activation_patching",
+    "direct_logit_attribution",
+    "dla_names",
+    "hook_names",
+    "hooks",
+    "logit_lens",
+    "run_with_cache",
+    "run_with_hooks",
+    "traced",
 ]  # fmt: skip

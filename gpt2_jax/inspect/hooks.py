@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
-from typing import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -145,7 +145,7 @@ class _Scoped:
     def __call__(self, name: str, x: jax.Array) -> jax.Array:
         return self.root(self.prefix + name, x)
 
-    def within(self, prefix: str) -> "_Scoped":
+    def within(self, prefix: str) -> _Scoped:
         return _Scoped(self.root, f"{self.prefix}{prefix}.")
 
 
@@ -184,7 +184,7 @@ class Tap:
     def within(self, prefix: str) -> _Scoped:
         return _Scoped(self, f"{prefix}.")
 
-    def layer(self, i: jax.Array) -> "LayerTap":
+    def layer(self, i: jax.Array) -> LayerTap:
         """The tap of block i (traced) inside the scan."""
         return LayerTap(self, i)
 

@@ -11,7 +11,8 @@ Shape legend (gpt2_jax.config): B batch, T positions, D width, V vocab rows, L l
 
 from __future__ import annotations
 
-from typing import Mapping, NamedTuple
+from collections.abc import Mapping
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp

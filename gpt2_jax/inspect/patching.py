@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import difflib
 import functools
-from typing import Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp

@@ -14,8 +14,10 @@ from gpt2_jax.model import apply, check_tokens
 from gpt2_jax.params import Params
 from gpt2_jax.sharding import mesh_of, on_mesh
 
+NO_EDITS = Hooks()  # the empty edit set (hashable: a static jit argument)
 
-def traced(params: Params, tokens: jax.Array, config: GPT2Config, edits: Hooks = Hooks(),
+
+def traced(params: Params, tokens: jax.Array, config: GPT2Config, edits: Hooks = NO_EDITS,
            record: tuple[str, ...] = ()) -> tuple[jax.Array, dict[str, jax.Array]]:
     """tokens [B, T] -> (logits [B, T, V], {name: activation}), unjitted: for use inside a caller's own
     jit, vmap or grad (the tools here build on it)."""

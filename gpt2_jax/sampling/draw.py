@@ -28,7 +28,13 @@ import jax.numpy as jnp
 
 from gpt2_jax.numerics import min_rows, pad_rows
 from gpt2_jax.sampling.filters import (
-    apply_temperature, check_logits, cumsum, filter_scaled, min_p_mask, top_k_mask, top_p_mask,
+    apply_temperature,
+    check_logits,
+    cumsum,
+    filter_scaled,
+    min_p_mask,
+    top_k_mask,
+    top_p_mask,
 )  # fmt: skip
 from gpt2_jax.sampling.settings import RowSettings, row_keys, row_settings
 
@@ -122,7 +128,7 @@ def sample_rows(keys: jax.Array, logits: jax.Array, settings: RowSettings, n_val
     zeros = jnp.zeros(rows, jnp.int32)
 
     best = argmax(scaled)
-    plain_weight = lambda: jnp.where(min_p_mask(weight, settings.min_p), weight, 0.0)  # noqa: E731
+    plain_weight = lambda: jnp.where(min_p_mask(weight, settings.min_p), weight, 0.0)
     full_plain = jax.lax.cond(jnp.any(plain), lambda: inverse_cdf(plain_weight(), u), lambda: zeros)
     win, exact = jax.lax.cond(jnp.any(use_k | use_p), lambda: _window(scaled, weight, u, settings, k, use_k, use_p),
                               lambda: (zeros, jnp.zeros(rows, bool)))  # fmt: skip

@@ -36,7 +36,7 @@ from gpt2_jax.serving.jobs import MAX_LOGPROBS, Choice, EventStream, Job, Plan, 
 from gpt2_jax.serving.metrics import Metrics
 from gpt2_jax.serving.schema import ApiError, CompletionRequest, from_gpt2_jax, from_validation
 
-__all__ = ["create_app", "warm_up", "prompt_logprobs", "row_key"]
+__all__ = ["create_app", "prompt_logprobs", "row_key", "warm_up"]
 
 
 def create_app(engine: Engine, tokenizer: Any, model_name: str, *, log: Any = None) -> FastAPI:
@@ -120,7 +120,7 @@ def create_app(engine: Engine, tokenizer: Any, model_name: str, *, log: Any = No
             else:  # echo-only scoring: nothing to generate
                 for c in job.choices:
                     c.finish = "length"
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             err = from_gpt2_jax(e)
             metrics.requests[err.status] += 1
             say(f"{rid} {err.status} {err.message}")

@@ -21,7 +21,8 @@ import dataclasses
 import functools
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -73,7 +74,7 @@ def _tell(request: Request, kind: str, payload: Any) -> None:
     """Report to a request; a failing callback is that request's problem, never the engine's."""
     try:
         request.on_event(kind, payload)
-    except Exception:  # noqa: BLE001
+    except Exception:
         request.cancel()
 
 
@@ -209,7 +210,7 @@ class Engine:
             c = request.options.get("constraint")
             automaton = None if c is None else constraints.compile_constraint(c, self.config.vocab_size,
                                                                               int(self.rules_host.stop.eos_id))
-        except Exception as e:  # noqa: BLE001 (a bad request must not take the engine down)
+        except Exception as e:
             _tell(request, "error", e)
             return
         stops = StopMatcher(prep.stops, 1, _token_bytes(None)) if prep.stops else None
@@ -275,7 +276,7 @@ class Engine:
         while self.running:
             try:
                 busy = self.step()
-            except Exception as e:  # noqa: BLE001 (fail the requests in flight, keep serving)
+            except Exception as e:
                 for b, slot in enumerate(self.slots):
                     if slot is not None:
                         self.slots[b] = None
@@ -287,7 +288,7 @@ class Engine:
                     if self.running and not self.queue:
                         self.lock.wait(timeout=0.1)
 
-    def start(self) -> "Engine":
+    def start(self) -> Engine:
         self.running = True
         self.thread = threading.Thread(target=self.run, name="gpt2-jax-engine", daemon=True)
         self.thread.start()

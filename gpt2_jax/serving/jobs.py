@@ -348,7 +348,7 @@ class EventStream(StreamingResponse):
     the job's engine rows (a no-op for finished ones) and closes the generator, whose own cleanup then
     runs now rather than at garbage collection (and the rows are cancelled even if it never started)."""
 
-    def __init__(self, content, job: "Job", **kw):
+    def __init__(self, content, job: Job, **kw):
         super().__init__(content, **kw)
         self.job = job
 

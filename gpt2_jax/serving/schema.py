@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Optional, Union
+from typing import Any
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
@@ -14,7 +14,7 @@ from gpt2_jax.serving.engine import Cancelled, QueueFull
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    include_usage: Optional[bool] = None
+    include_usage: bool | None = None
 
 
 class CompletionRequest(BaseModel):
@@ -23,31 +23,31 @@ class CompletionRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
     model: str
-    prompt: Union[str, list[str], list[int], list[list[int]], None] = None
-    max_tokens: Optional[int] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    n: Optional[int] = None
-    stream: Optional[bool] = None
-    stream_options: Optional[StreamOptions] = None
-    logprobs: Optional[int] = None
-    echo: Optional[bool] = None
-    stop: Union[str, list[str], None] = None
-    seed: Optional[int] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    logit_bias: Optional[dict[str, float]] = None
-    user: Optional[str] = None
-    best_of: Optional[int] = None
-    suffix: Optional[str] = None
+    prompt: str | list[str] | list[int] | list[list[int]] | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    logprobs: int | None = None
+    echo: bool | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    best_of: int | None = None
+    suffix: str | None = None
     # vLLM's extensions
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
-    repetition_penalty: Optional[float] = None
-    min_tokens: Optional[int] = None
-    regex: Optional[str] = None
-    choice: Optional[list[str]] = None
-    json_schema: Optional[dict[str, Any]] = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    json_schema: dict[str, Any] | None = None
 
 
 # gpt2_jax's names for settings, as the API calls them (errors name the API's field)

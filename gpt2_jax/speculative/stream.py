@@ -8,7 +8,8 @@ live [B] per step) and the same tokens.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 
