@@ -77,8 +77,10 @@ def sampler_top_p(jax, jnp, np, gpt2_jax, repeats: int) -> None:
     tw = best_of(lambda: window(keys, logits, settings).block_until_ready(), repeats + 2)
     tf = best_of(lambda: full(keys, logits, settings)[0].block_until_ready(), repeats + 2)
     sizes = np.asarray(full(keys, logits, settings)[1])
-    print(f"sampler alone, B=8, top-p 0.9 (bundled model's logits, nuclei of {sizes.min()}-{sizes.max()} tokens): "
-          f"candidate window {tw * 1e3:.2f} ms vs full sort {tf * 1e3:.2f} ms ({tf / tw:.0f}x); same tokens: {same}")
+    print(
+        f"sampler alone, B=8, top-p 0.9 (bundled model's logits, nuclei of {sizes.min()}-{sizes.max()} tokens): "
+        f"candidate window {tw * 1e3:.2f} ms vs full sort {tf * 1e3:.2f} ms ({tf / tw:.0f}x); same tokens: {same}"
+    )
 
 
 def main() -> None:
@@ -106,8 +108,10 @@ def main() -> None:
     transformers.GPT2LMHeadModel(transformers.GPT2Config()).save_pretrained(path)
     hf = transformers.GPT2LMHeadModel.from_pretrained(path).eval()
     params, config = gpt2_jax.load(path)
-    print(f"jax {jax.__version__}, torch {torch.__version__}, transformers {transformers.__version__}; "
-          f"float32 matmuls: {f'rowdot ({kernels.available()})' if kernels.available() else 'XLA (rowdot not built)'}")
+    print(
+        f"jax {jax.__version__}, torch {torch.__version__}, transformers {transformers.__version__}; "
+        f"float32 matmuls: {f'rowdot ({kernels.available()})' if kernels.available() else 'XLA (rowdot not built)'}"
+    )
 
     L, D, V = config.n_layer, config.n_embd, config.vocab_size
     weights = param_bytes(params) - params["wpe"].nbytes  # decode reads one wpe row per token
@@ -134,6 +138,7 @@ def main() -> None:
             with torch.no_grad():
                 hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                             pad_token_id=50256, **sample)  # fmt: skip
+
         return run
 
     def per_step(mine, other) -> tuple[float, float]:
@@ -172,8 +177,11 @@ def main() -> None:
         if preset == "gpt2-xl" and args.skip_xl:
             continue
         fc = first_call(preset, new)
-        print(f"first call, {preset} widths ({new} new tokens, fresh process, no compile cache): "
-              f"{fc['wall']:.1f} s, of which compiling {fc['compile']:.1f} s", flush=True)
+        print(
+            f"first call, {preset} widths ({new} new tokens, fresh process, no compile cache): "
+            f"{fc['wall']:.1f} s, of which compiling {fc['compile']:.1f} s",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -92,13 +92,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--prefill-batches", help="prefill batch sizes, comma-separated")
     parser.add_argument("--prompt", type=int, help="decode prompt length")
     parser.add_argument("--new", type=int, help="N: new tokens of the long decode run")
-    parser.add_argument("--base", type=int, help="M: new tokens of the short run (default N // 2 + 1: for a "
-                        "power-of-two N that is N's step bucket, so one compile serves both)")
+    parser.add_argument(
+        "--base",
+        type=int,
+        help="M: new tokens of the short run (default N // 2 + 1: for a "
+        "power-of-two N that is N's step bucket, so one compile serves both)",
+    )
     parser.add_argument("--prefill", type=int, help="prefill prompt length")
     parser.add_argument("--repeats", type=int, help="timed runs per measurement (best is kept)")
     parser.add_argument("--bandwidth-mib", type=int, help="size of the array read to measure bandwidth")
-    parser.add_argument("--budget-s", type=float, default=390.0,
-                        help="no new step starts after this many seconds (the table still prints)")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=390.0,
+        help="no new step starts after this many seconds (the table still prints)",
+    )
     parser.add_argument("--datasheet-tbps", type=float, help="HBM bandwidth to quote (default: by device name)")
     args = parser.parse_args(argv)
     for key, value in (SMOKE if args.smoke else GPU).items():
@@ -190,8 +198,13 @@ def model_shape(name: str) -> GPT2Config:
 def build_models(shape: GPT2Config, torch, transformers, device: str, dtype: str):
     """A random GPT2LMHeadModel of this shape in dtype on device, and the same weights loaded by
     gpt2_jax from its save_pretrained directory -> (hf_model, stacked params, config)."""
-    hf_config = transformers.GPT2Config(n_layer=shape.n_layer, n_head=shape.n_head, n_embd=shape.n_embd,
-                                        n_positions=shape.n_positions, vocab_size=shape.vocab_size)
+    hf_config = transformers.GPT2Config(
+        n_layer=shape.n_layer,
+        n_head=shape.n_head,
+        n_embd=shape.n_embd,
+        n_positions=shape.n_positions,
+        vocab_size=shape.vocab_size,
+    )
     torch.manual_seed(0)
     with torch.device(device):  # initialise on the GPU directly: gpt2-xl's 1.5B draws are slow on a CPU
         model = transformers.GPT2LMHeadModel(hf_config)
@@ -205,9 +218,11 @@ def build_models(shape: GPT2Config, torch, transformers, device: str, dtype: str
 
 def ours(params, config: GPT2Config, prompts: list[list[int]]):
     """n -> greedy tokens [B, n] from gpt2_jax.generate on these prompts."""
+
     def run(n: int) -> np.ndarray:
         return generate(params, config, prompts, jax.random.key(0), max_new_tokens=n, temperature=0.0,
                         eos_id=None).tokens  # fmt: skip
+
     return run
 
 
@@ -221,7 +236,8 @@ def theirs(model, torch, prompts: list[list[int]], device: str):
         with torch.inference_mode():
             out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
                                  pad_token_id=0, eos_token_id=None)  # fmt: skip
-        return out[:, ids.shape[1]:].cpu().numpy()  # .cpu() waits for the GPU
+        return out[:, ids.shape[1] :].cpu().numpy()  # .cpu() waits for the GPU
+
     return run
 
 
@@ -319,8 +335,9 @@ class ModelBench:
         hf = next((d["hf_s_per_step"] for d in self.result["decode"] if d["batch"] == 1), None)
         self.add_decode_row(1, step, first, hf, phase="decode int8")
 
-    def add_decode_row(self, batch: int, step: float, first: float, hf_step: float | None,
-                       phase: str = "decode") -> None:
+    def add_decode_row(
+        self, batch: int, step: float, first: float, hf_step: float | None, phase: str = "decode"
+    ) -> None:
         hf_step = math.nan if hf_step is None else hf_step
         row = {"batch": batch, "phase": phase, "s_per_step": step, "tok_s": batch / step, "first_call_s": first,
                "hf_s_per_step": hf_step, "hf_tok_s": batch / hf_step, "ratio": hf_step / step}  # fmt: skip
@@ -348,7 +365,10 @@ class ModelBench:
 
     def run_all(self, params) -> None:
         """Batch 1 picks the layout; the other batch sizes and prefill use it."""
-        layouts = {"stacked": self.attempt("stack layers", lambda: stack_layers(params)), "unstacked": unstack_layers(params)}
+        layouts = {
+            "stacked": self.attempt("stack layers", lambda: stack_layers(params)),
+            "unstacked": unstack_layers(params),
+        }
         layouts = {name: p for name, p in layouts.items() if p is not None}
         del params
         chosen = self.attempt("decode B=1", lambda: self.decode_batch1(layouts))
@@ -376,23 +396,30 @@ def bandwidth_bound(result: dict, bandwidth: dict | None) -> None:
     }  # fmt: skip
     int8 = next((r for r in result["decode"] if r["phase"] == "decode int8"), None)
     if int8 is not None:
-        result["int8_bound"] = {"s_per_token": result["int8_weight_bytes"] / bandwidth["read_bytes_s"],
-                                "ratio": int8["s_per_step"] * bandwidth["read_bytes_s"] / result["int8_weight_bytes"]}
+        result["int8_bound"] = {
+            "s_per_token": result["int8_weight_bytes"] / bandwidth["read_bytes_s"],
+            "ratio": int8["s_per_step"] * bandwidth["read_bytes_s"] / result["int8_weight_bytes"],
+        }
 
 
 def bench_model(name: str, args, steps: Steps, env: dict, bandwidth: dict | None) -> dict:
     """Build one model in both libraries, measure everything, free it; returns its result dict."""
     errors: list[str] = []
-    built = steps.run(f"{name}: build", lambda: build_models(model_shape(name), env["torch"], env["transformers"],
-                                                            env["torch_device"], env["dtype"]), errors)
+    built = steps.run(
+        f"{name}: build",
+        lambda: build_models(model_shape(name), env["torch"], env["transformers"], env["torch_device"], env["dtype"]),
+        errors,
+    )
     if built is None:
         return {"model": name, "decode": [], "prefill": [], "errors": errors}
     model, params, config = built
     bench = ModelBench(name, args, steps, env, config, model)
     result = bench.result
     result.update(config=config.to_dict(), weight_bytes=param_bytes(params), dtype=env["dtype"])
-    log(f"{name}: built ({result['weight_bytes'] / 1e6:.0f} MB of {env['dtype']} weights, "
-        f"{config.n_layer} layers, {config.n_head} heads, width {config.n_embd})")
+    log(
+        f"{name}: built ({result['weight_bytes'] / 1e6:.0f} MB of {env['dtype']} weights, "
+        f"{config.n_layer} layers, {config.n_head} heads, width {config.n_embd})"
+    )
     bench.run_all(params)
     bandwidth_bound(result, bandwidth)
     del bench, model, params
@@ -475,8 +502,10 @@ def model_lines(r: dict) -> list[str]:
                    f"the bound{sheet}; target <= {BOUND_TARGET}x: {verdict(ok)}")  # fmt: skip
     b8 = r.get("int8_bound")
     if b8:
-        out.append(f"- bound {r['model']} int8: {r['int8_weight_bytes'] / 1e9:.3f} GB weights / measured bandwidth = "
-                   f"{b8['s_per_token'] * 1e3:.3f} ms/token; int8 B=1 decode = {fmt(b8['ratio'], '.2f')}x the bound")
+        out.append(
+            f"- bound {r['model']} int8: {r['int8_weight_bytes'] / 1e9:.3f} GB weights / measured bandwidth = "
+            f"{b8['s_per_token'] * 1e3:.3f} ms/token; int8 B=1 decode = {fmt(b8['ratio'], '.2f')}x the bound"
+        )
     g = r.get("greedy_agreement")
     if g and g["tokens"]:
         note = " (bf16 rounding differs: informational)" if r["dtype"] == "bfloat16" else ""
@@ -543,16 +572,20 @@ def main(argv: list[str]) -> None:
         "jax": jax.__version__, "torch": env["torch"].__version__, "transformers": env["transformers"].__version__,
         "dtype": env["dtype"], "args": dict(vars(args)),
     }  # fmt: skip
-    log(f"{meta['device']}: jax {meta['jax']}, torch {meta['torch']}, transformers {meta['transformers']}; "
-        f"models {args.models}, batches {args.batches}, N={args.new}, M={args.base}, budget {args.budget_s:.0f} s")
+    log(
+        f"{meta['device']}: jax {meta['jax']}, torch {meta['torch']}, transformers {meta['transformers']}; "
+        f"models {args.models}, batches {args.batches}, N={args.new}, M={args.base}, budget {args.budget_s:.0f} s"
+    )
     steps = Steps(args.budget_s, strict=args.smoke)
     meta_errors: list[str] = []
     bandwidth = steps.run("bandwidth", lambda: measure_bandwidth(args.bandwidth_mib), meta_errors)
     if bandwidth:
         bandwidth["datasheet_bytes_s"] = datasheet_bandwidth(meta["device"], args.datasheet_tbps)
         meta["bandwidth"] = bandwidth
-        log(f"bandwidth: read {bandwidth['read_bytes_s'] / 1e9:.1f} GB/s, "
-            f"copy {bandwidth['copy_bytes_s'] / 1e9:.1f} GB/s")
+        log(
+            f"bandwidth: read {bandwidth['read_bytes_s'] / 1e9:.1f} GB/s, "
+            f"copy {bandwidth['copy_bytes_s'] / 1e9:.1f} GB/s"
+        )
     meta["errors"] = meta_errors
 
     results = []

@@ -185,7 +185,9 @@ def main() -> None:
     if args.build:
         what, root, size = args.build
         root = Path(root)
-        build_hf(root / "hf", SIZES[size]) if what == "hf" else build_nanogpt(root / "hf", root / "nanogpt", SIZES[size])
+        build_hf(root / "hf", SIZES[size]) if what == "hf" else build_nanogpt(
+            root / "hf", root / "nanogpt", SIZES[size]
+        )
         return
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     unknown = [s for s in sizes if s not in SIZES]

@@ -46,8 +46,13 @@ def describe(jax, jnp, threads: int) -> dict:
     """Measure, print and return the machine line."""
     info = cpu()
     info.update(threads=threads, bandwidth=read_bandwidth(jax, jnp), flops=matmul_flops(jax, jnp))
-    print(f"machine: {info['model']}, {info['cores']} cores, {threads} threads; "
-          f"AVX-512: {' '.join(info['avx512']) or 'no'}; AMX: {' '.join(info['amx']) or 'no'}")
-    print(f"measured: read bandwidth {info['bandwidth'] / 1e9:.1f} GB/s, float32 matmul "
-          f"{info['flops'] / 1e9:.0f} GFLOP/s (jax {jax.__version__}, {jax.devices()[0].platform})", flush=True)
+    print(
+        f"machine: {info['model']}, {info['cores']} cores, {threads} threads; "
+        f"AVX-512: {' '.join(info['avx512']) or 'no'}; AMX: {' '.join(info['amx']) or 'no'}"
+    )
+    print(
+        f"measured: read bandwidth {info['bandwidth'] / 1e9:.1f} GB/s, float32 matmul "
+        f"{info['flops'] / 1e9:.0f} GFLOP/s (jax {jax.__version__}, {jax.devices()[0].platform})",
+        flush=True,
+    )
     return info

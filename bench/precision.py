@@ -52,8 +52,10 @@ def main() -> None:
     tokens = np.array([gpt2_jax.tokenizer().encode(TEXT)[:128]], np.int32)
     shakespeare, small_config = gpt2_jax.load(BUNDLED_MODEL, dtype="float32")
     gpt2_config = gpt2_jax.GPT2Config.preset("gpt2")
-    models = [("bundled Shakespeare (4x128, trained)", shakespeare, small_config),
-              ("gpt2 124M (random init)", gpt2_jax.init_params(jax.random.key(0), gpt2_config), gpt2_config)]
+    models = [
+        ("bundled Shakespeare (4x128, trained)", shakespeare, small_config),
+        ("gpt2 124M (random init)", gpt2_jax.init_params(jax.random.key(0), gpt2_config), gpt2_config),
+    ]
     print(f"{tokens.shape[1]} tokens of Hamlet, batch 1; reference: float32 with matmul precision 'highest'\n")
     print("| model | mode | max err / max logit | mean abs err | KL(fp32 ‖ mode) | top-1 agree | weights |")
     print("| --- | --- | --- | --- | --- | --- | --- |")

@@ -165,7 +165,9 @@ def main() -> None:
             results[c] = tokens / seconds
             if base is None:
                 base = out
-            bad = [i for i, (a, b) in enumerate(zip(out, base)) if a["text"] != b["text"] or a["logprobs"] != b["logprobs"]]
+            bad = [
+                i for i, (a, b) in enumerate(zip(out, base)) if a["text"] != b["text"] or a["logprobs"] != b["logprobs"]
+            ]
             lat, ttft = [o["latency"] for o in out], [o["ttft"] for o in out]
             print(f"concurrency {c:2d}: {n / seconds:6.2f} req/s, {tokens / seconds:8.1f} tokens/s, latency p50 "
                   f"{statistics.median(lat):6.2f} s p99 {pct(lat, 99):6.2f} s, TTFT p50 {statistics.median(ttft):6.3f} s "
@@ -179,8 +181,10 @@ def main() -> None:
         proc.terminate()
         proc.wait(timeout=30)
     seconds, tokens = transformers_peer(model, reqs, threads)
-    print(f"transformers generate, one request at a time: {tokens / seconds:8.1f} tokens/s ({n} requests in "
-          f"{seconds:.1f} s); gpt2-jax serve at concurrency {top}: {results[top] / (tokens / seconds):.2f}x that")
+    print(
+        f"transformers generate, one request at a time: {tokens / seconds:8.1f} tokens/s ({n} requests in "
+        f"{seconds:.1f} s); gpt2-jax serve at concurrency {top}: {results[top] / (tokens / seconds):.2f}x that"
+    )
 
 
 if __name__ == "__main__":

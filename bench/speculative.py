@@ -46,7 +46,11 @@ def build(transformers, torch, damp: float) -> tuple[str, str]:
                     proj.weight.mul_(damp)
                     proj.bias.mul_(damp)
     draft = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1)).eval()
-    state = {k: v for k, v in target.state_dict().items() if not k.startswith("transformer.h.") or k.startswith("transformer.h.0.")}
+    state = {
+        k: v
+        for k, v in target.state_dict().items()
+        if not k.startswith("transformer.h.") or k.startswith("transformer.h.0.")
+    }
     draft.load_state_dict(state)
     tdir, ddir = tempfile.mkdtemp(), tempfile.mkdtemp()
     target.save_pretrained(tdir)
@@ -96,7 +100,9 @@ def main() -> None:
 
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, config.vocab_size, PROMPT).tolist()
-    loop = gpt2_jax.generate(params, config, [prompt], jax.random.key(0), max_new_tokens=128, temperature=0.0, eos_id=None)
+    loop = gpt2_jax.generate(
+        params, config, [prompt], jax.random.key(0), max_new_tokens=128, temperature=0.0, eos_id=None
+    )
     copying = prompt + loop.tokens[0].tolist()
     inputs = {"draft": prompt, "lookup": copying}
 
@@ -104,6 +110,7 @@ def main() -> None:
         def make(m):
             return lambda: gpt2_jax.generate(params, config, [tokens], jax.random.key(0), max_new_tokens=m,
                                              temperature=0.0, eos_id=None, **kw)  # fmt: skip
+
         return make
 
     def theirs(tokens, **kw):
@@ -114,7 +121,9 @@ def main() -> None:
                 with torch.no_grad():
                     return hf_target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=m,
                                               do_sample=False, eos_token_id=None, pad_token_id=0, **kw)  # fmt: skip
+
             return run
+
         return make
 
     def per_token(make) -> float:
@@ -144,18 +153,24 @@ def main() -> None:
                   f"acceptance {accept:.1%}, {n / rounds:.2f} tokens per target forward, round {round_t * 1e3:.1f} ms, "
                   f"break-even acceptance {rows[-1][-1]:.1%}, {t / bound:.2f}x the bound | tokens equal plain: {same}", flush=True)  # fmt: skip
 
-    print("\n| proposer | k | plain ms/token | speculative ms/token | speedup | transformers plain | transformers "
-          "speculative | its speedup | ours / theirs | acceptance | tokens / forward | break-even acceptance |")
+    print(
+        "\n| proposer | k | plain ms/token | speculative ms/token | speedup | transformers plain | transformers "
+        "speculative | its speedup | ours / theirs | acceptance | tokens / forward | break-even acceptance |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, k, plain, t, hp, ht, acc, tpf, be in rows:
         label = "draft model (1 layer)" if name == "draft" else "prompt lookup"
-        print(f"| {label} | {k} | {plain * 1e3:.1f} | {t * 1e3:.1f} | {plain / t:.2f}x | {hp * 1e3:.1f} | {ht * 1e3:.1f} | "
-              f"{hp / ht:.2f}x | {ht / t:.2f}x | {acc:.1%} | {tpf:.2f} | {be:.1%} |")
+        print(
+            f"| {label} | {k} | {plain * 1e3:.1f} | {t * 1e3:.1f} | {plain / t:.2f}x | {hp * 1e3:.1f} | {ht * 1e3:.1f} | "
+            f"{hp / ht:.2f}x | {ht / t:.2f}x | {acc:.1%} | {tpf:.2f} | {be:.1%} |"
+        )
     best = {name: max(plain / t for nm, _, plain, t, *_ in rows if nm == name) for name in inputs}
-    print(f"\ntargets: draft model >= 2x plain: {best['draft']:.2f}x {'PASS' if best['draft'] >= 2 else 'MISS'}; "
-          f"prompt lookup >= 1.8x plain: {best['lookup']:.2f}x {'PASS' if best['lookup'] >= 1.8 else 'MISS'}; "
-          f"plain decode bound {bound * 1e3:.1f} ms/token ({(param_bytes(params) - params['wpe'].nbytes) / 1e6:.0f} MB "
-          f"at {machine['bandwidth'] / 1e9:.1f} GB/s)")
+    print(
+        f"\ntargets: draft model >= 2x plain: {best['draft']:.2f}x {'PASS' if best['draft'] >= 2 else 'MISS'}; "
+        f"prompt lookup >= 1.8x plain: {best['lookup']:.2f}x {'PASS' if best['lookup'] >= 1.8 else 'MISS'}; "
+        f"plain decode bound {bound * 1e3:.1f} ms/token ({(param_bytes(params) - params['wpe'].nbytes) / 1e6:.0f} MB "
+        f"at {machine['bandwidth'] / 1e9:.1f} GB/s)"
+    )
 
 
 if __name__ == "__main__":

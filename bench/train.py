@@ -168,8 +168,11 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     machine = describe(jax, jnp, args.threads)
-    print(f"jax {jax.__version__}, torch {torch.__version__}, transformers {transformers.__version__}; "
-          f"dropout {DROPOUT}, AdamW + clipping, best of {args.repeats} interleaved steps", flush=True)
+    print(
+        f"jax {jax.__version__}, torch {torch.__version__}, transformers {transformers.__version__}; "
+        f"dropout {DROPOUT}, AdamW + clipping, best of {args.repeats} interleaved steps",
+        flush=True,
+    )
     for name in args.shapes.split(","):
         shape = SHAPES[name]
         ours, config = jax_side(shape)
@@ -196,13 +199,19 @@ def main() -> None:
         remat, _ = jax_side(shape, remat=True)
         plain(), remat(), plain(), remat()
         t_plain, t_remat = best_of(plain, args.repeats), best_of(remat, args.repeats)
-        print(f"6x384 with --remat: {shape['batch'] * shape['block'] / t_remat:.0f} tok/s ({t_remat / t_plain:.2f}x "
-              f"the step's time), peak memory +{peak_memory('jax', '6x384', remat=True) / 2**20:.0f} MiB", flush=True)
+        print(
+            f"6x384 with --remat: {shape['batch'] * shape['block'] / t_remat:.0f} tok/s ({t_remat / t_plain:.2f}x "
+            f"the step's time), peak memory +{peak_memory('jax', '6x384', remat=True) / 2**20:.0f} MiB",
+            flush=True,
+        )
         del plain, remat
     if args.trainer_steps:
         trained, bare = trainer_rate(SHAPES["4x128"], args.trainer_steps)
-        print(f"gpt2-jax train, 4x128, batch 8 x 128: {trained:.0f} tok/s steady state vs the bare step's "
-              f"{bare:.0f} tok/s over consecutive steps ({trained / bare - 1:+.1%}; target within 5%)", flush=True)
+        print(
+            f"gpt2-jax train, 4x128, batch 8 x 128: {trained:.0f} tok/s steady state vs the bare step's "
+            f"{bare:.0f} tok/s over consecutive steps ({trained / bare - 1:+.1%}; target within 5%)",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -27,8 +27,9 @@ def causal_mask(T: int) -> jax.Array:
 KEY_BLOCK = 128  # keys are scored in blocks of this many slots (see attend)
 
 
-def attend(q: jax.Array, kt, v, mask: jax.Array, scale: jax.Array,
-           key: jax.Array | None = None, rate: float = 0.0, tap=None) -> jax.Array:
+def attend(
+    q: jax.Array, kt, v, mask: jax.Array, scale: jax.Array, key: jax.Array | None = None, rate: float = 0.0, tap=None
+) -> jax.Array:
     """q [B, H, T, K] over keys kt [B, H, K, S] (transposed) and values v [B, H, S, K] where mask
     [B or 1, T, S] allows -> [B, H, T, K]. kt and v may be kernels.Entry (a layer of the KV cache,
     read in place).
@@ -111,8 +112,9 @@ def weighted_values(weights: jax.Array, v, ends: jax.Array | None = None) -> jax
     return jnp.einsum("BHTS,BHKS->BHTK", weights.astype(vt.dtype), vt, preferred_element_type=F32)
 
 
-def attend_causal(q: jax.Array, k: jax.Array, v: jax.Array, scale: jax.Array, key: jax.Array | None = None,
-                  rate: float = 0.0) -> jax.Array:
+def attend_causal(
+    q: jax.Array, k: jax.Array, v: jax.Array, scale: jax.Array, key: jax.Array | None = None, rate: float = 0.0
+) -> jax.Array:
     """Training's attention: q, k, v [B, H, T, K] -> [B, H, T, K], causal over the call's own T tokens,
     written as the textbook does: scores, the mask, jax.nn.softmax (whose derivative is one rule, not
     autodiff through max, exp, sum and divide), dropout, the weighted sum.

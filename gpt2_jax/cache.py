@@ -45,7 +45,9 @@ class CacheView(NamedTuple):
 
     def write(self, layer: jax.Array, k: jax.Array, v: jax.Array) -> CacheView:
         """Layer `layer`'s new k, v [B, H, T, K] into their slots (in place)."""
-        return self._replace(k=write_rows(self.k, layer, k, self.start, 4), v=write_rows(self.v, layer, v, self.start, 3))
+        return self._replace(
+            k=write_rows(self.k, layer, k, self.start, 4), v=write_rows(self.v, layer, v, self.start, 3)
+        )
 
     def read(self, layer: jax.Array) -> tuple[Entry, Entry]:
         """Layer `layer`'s keys [B, H, K, S] (transposed) and values [B, H, S, K], as entries of the stacked

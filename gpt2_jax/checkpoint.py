@@ -162,20 +162,29 @@ def _read_leaves(read: Callable[[str, np.dtype, tuple, Any], np.ndarray], target
         for name in order:
             t, d = leaves[name], np.dtype(leaves[name].dtype)
             if stacked or not name.startswith("h."):
-                _set(params, name, jax.make_array_from_callback(
-                    t.shape, t.sharding, lambda index, n=name: read(n, d, index, bar)))
+                _set(
+                    params,
+                    name,
+                    jax.make_array_from_callback(t.shape, t.sharding, lambda index, n=name: read(n, d, index, bar)),
+                )
                 continue
             shape, sharding = t.shape[1:], _drop_layer_axis(t.sharding)
             shards = {dev: read(name, d, (slice(None), *index), bar)  # [L, *shard]
                       for dev, index in sharding.addressable_devices_indices_map(shape).items()}  # fmt: skip
             for i in range(n_layer):
-                _set(params["h"][i], name[2:], jax.make_array_from_single_device_arrays(
-                    shape, sharding, [jax.device_put(buf[i], dev) for dev, buf in shards.items()]))
+                _set(
+                    params["h"][i],
+                    name[2:],
+                    jax.make_array_from_single_device_arrays(
+                        shape, sharding, [jax.device_put(buf[i], dev) for dev, buf in shards.items()]
+                    ),
+                )
     return params
 
 
-def restore(path: str | Path, dtype: Any = None, mesh: Any = None, progress: bool = False,
-            stacked: bool = False) -> tuple[Params, GPT2Config]:
+def restore(
+    path: str | Path, dtype: Any = None, mesh: Any = None, progress: bool = False, stacked: bool = False
+) -> tuple[Params, GPT2Config]:
     """Read a checkpoint written by save(), optionally cast to dtype. On one device (no mesh) and in
     the stored dtype, the params are the checkpoint's own file pages, mapped (_mapped_shard); else
     every leaf is allocated once in its final layout and dtype and read into. With a mesh, every

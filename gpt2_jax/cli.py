@@ -32,18 +32,26 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0, help="0 = off")
     gen.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
     _processor_args(gen)
-    gen.add_argument("--seed", type=int, default=None,
-                     help="sampling seed (default: a random one, printed in the summary line)")
+    gen.add_argument(
+        "--seed", type=int, default=None, help="sampling seed (default: a random one, printed in the summary line)"
+    )
     gen.add_argument("--num-samples", type=int, default=1, help="samples of the same prompt, one batch")
     gen.add_argument("--stream", action="store_true", help="print text as it is generated")
-    gen.add_argument("--dtype", choices=["float32", "bfloat16", "int8"], default=None,
-                     help="cast the weights; int8 = weight-only int8 blocks, bfloat16 otherwise (gpt2_jax.precision)")
+    gen.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "int8"],
+        default=None,
+        help="cast the weights; int8 = weight-only int8 blocks, bfloat16 otherwise (gpt2_jax.precision)",
+    )
     gen.add_argument("--mesh", help="run sharded over a device mesh, e.g. data=2,model=4 (see gpt2_jax.sharding)")
     spec = gen.add_mutually_exclusive_group()
     spec.add_argument("--draft", metavar="MODEL", help="speculative decoding with this smaller draft model (same "
                       "vocabulary; any --model form); the output is the same, only faster")  # fmt: skip
-    spec.add_argument("--prompt-lookup", action="store_true",
-                      help="speculative decoding proposing the continuation of earlier matches in the text")
+    spec.add_argument(
+        "--prompt-lookup",
+        action="store_true",
+        help="speculative decoding proposing the continuation of earlier matches in the text",
+    )
     gen.add_argument("--speculate", type=int, default=4, metavar="K", help="tokens proposed per round (with --draft "
                      "or --prompt-lookup)")  # fmt: skip
     _cache_arg(gen)
@@ -67,19 +75,34 @@ def _processor_args(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]; 0 = off")
     gen.add_argument("--no-repeat-ngram-size", type=int, default=0, help="never repeat an n-gram; 0 = off")
     gen.add_argument("--min-new-tokens", type=int, default=0, help="hold back EOS until this many tokens")
-    gen.add_argument("--stop", action="append", default=None, metavar="TEXT",
-                     help="stop string (repeatable); the text is cut just before it")
+    gen.add_argument(
+        "--stop",
+        action="append",
+        default=None,
+        metavar="TEXT",
+        help="stop string (repeatable); the text is cut just before it",
+    )
     c = gen.add_mutually_exclusive_group()
     c.add_argument("--regex", help="constrain the output to match this regex")
-    c.add_argument("--choice", action="append", default=None, metavar="TEXT", help="the output is one of these (repeatable)")
+    c.add_argument(
+        "--choice", action="append", default=None, metavar="TEXT", help="the output is one of these (repeatable)"
+    )
     c.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid under this JSON schema file")
-    gen.add_argument("--top-logprobs", type=int, default=0, metavar="N",
-                     help="after the text, list each token's N most likely alternatives (N <= 20)")
+    gen.add_argument(
+        "--top-logprobs",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after the text, list each token's N most likely alternatives (N <= 20)",
+    )
 
 
 def _cache_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--no-compile-cache", action="store_true",
-                   help="do not use JAX's persistent compilation cache (see GPT2_JAX_COMPILATION_CACHE)")
+    p.add_argument(
+        "--no-compile-cache",
+        action="store_true",
+        help="do not use JAX's persistent compilation cache (see GPT2_JAX_COMPILATION_CACHE)",
+    )
 
 
 def compile_cache_dir(environ: Mapping[str, str], disabled: bool = False) -> Path | None:

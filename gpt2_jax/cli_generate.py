@@ -67,7 +67,7 @@ class TextStream:
         else:
             end = len(text) - self.hold
         if end > self.shown and not (self.stopped and self.shown >= end):
-            self.out.write(text[self.shown:end])
+            self.out.write(text[self.shown : end])
             self.out.flush()
             self.shown = end
 
@@ -111,7 +111,9 @@ def _draft_option(args: argparse.Namespace, mesh) -> dict:
     from gpt2_jax import load
     from gpt2_jax.hub import resolve_model
 
-    draft = load(resolve_model(args.draft), dtype=None if args.dtype == "int8" else args.dtype, mesh=mesh, progress=True)
+    draft = load(
+        resolve_model(args.draft), dtype=None if args.dtype == "int8" else args.dtype, mesh=mesh, progress=True
+    )
     return dict(draft=draft, num_speculative_tokens=args.speculate)
 
 

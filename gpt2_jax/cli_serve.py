@@ -10,21 +10,32 @@ from gpt2_jax.errors import GPT2JaxError
 
 
 def serve_parser(serve: argparse.ArgumentParser, cache_arg) -> None:
-    serve.add_argument("--model", default=None,
-                       help="checkpoint path or hub id, as for generate (default: the bundled Shakespeare model)")
-    serve.add_argument("--model-name", default=None,
-                       help="the model id clients send (default: the --model value, or 'shakespeare')")
+    serve.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint path or hub id, as for generate (default: the bundled Shakespeare model)",
+    )
+    serve.add_argument(
+        "--model-name", default=None, help="the model id clients send (default: the --model value, or 'shakespeare')"
+    )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port, printed)")
     serve.add_argument("--max-batch", type=int, default=8, help="slots: requests generated at once")
     serve.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429s")
-    serve.add_argument("--max-seq", type=int, default=None,
-                       help="prompt + max_tokens limit per request, the KV cache's length (default: the context)")
-    serve.add_argument("--dtype", choices=["float32", "bfloat16", "int8"], default=None,
-                       help="cast the weights; int8 = weight-only int8 blocks, bfloat16 otherwise (gpt2_jax.precision)")
+    serve.add_argument(
+        "--max-seq",
+        type=int,
+        default=None,
+        help="prompt + max_tokens limit per request, the KV cache's length (default: the context)",
+    )
+    serve.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "int8"],
+        default=None,
+        help="cast the weights; int8 = weight-only int8 blocks, bfloat16 otherwise (gpt2_jax.precision)",
+    )
     serve.add_argument("--mesh", help="run sharded over a device mesh, e.g. model=2 (see gpt2_jax.sharding)")
     cache_arg(serve)
-
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -87,8 +98,10 @@ def run_serve(args: argparse.Namespace) -> int:
             async def startup(self, sockets=None):
                 await super().startup(sockets=sockets)
                 if self.started:
-                    say(f"{name} (max_batch={engine.max_batch}, max_queue={engine.max_queue}, max_seq="
-                        f"{engine.max_seq}), compiled in {seconds:.1f} s")
+                    say(
+                        f"{name} (max_batch={engine.max_batch}, max_queue={engine.max_queue}, max_seq="
+                        f"{engine.max_seq}), compiled in {seconds:.1f} s"
+                    )
                     shown = f"[{host}]" if family == socket.AF_INET6 else host
                     say(f"ready on http://{shown}:{port}")
 

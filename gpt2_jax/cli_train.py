@@ -36,9 +36,12 @@ def train_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-batches", type=int, default=8, help="val batches per evaluation")
     p.add_argument("--ckpt-every", type=int, default=200, help="steps between checkpoints")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
-    p.add_argument("--remat", action="store_true",
-                   help="recompute each block's activations in the backward pass instead of keeping them: "
-                        "less memory, more time (the same losses)")
+    p.add_argument(
+        "--remat",
+        action="store_true",
+        help="recompute each block's activations in the backward pass instead of keeping them: "
+        "less memory, more time (the same losses)",
+    )
     p.add_argument("--mesh", help="train sharded over a device mesh, e.g. data=2,model=4")
     distributed_args(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -33,7 +33,13 @@ def completions(result: GenerateResult, enc: Any, stop_ids: set[int]) -> list[Co
         tokens = result.tokens[b, :n].tolist()
         stop = result.stop_string[b] if result.stop_string else None
         shown = tokens
-        if result.finish_reason and result.finish_reason[b] == "stop" and stop is None and tokens and tokens[-1] in stop_ids:
+        if (
+            result.finish_reason
+            and result.finish_reason[b] == "stop"
+            and stop is None
+            and tokens
+            and tokens[-1] in stop_ids
+        ):
             shown = tokens[:-1]  # EOS or a stop id: not part of the text
         data = b"".join(enc.decode_single_token_bytes(t) for t in shown)
         if stop is not None:
@@ -41,14 +47,25 @@ def completions(result: GenerateResult, enc: Any, stop_ids: set[int]) -> list[Co
         logprobs = result.logprobs[b, :n].tolist() if result.logprobs is not None else None
         top = None
         if result.top_ids is not None:
-            top = [dict(zip(ids.tolist(), lp.tolist())) for ids, lp in zip(result.top_ids[b, :n], result.top_logprobs[b, :n])]
+            top = [
+                dict(zip(ids.tolist(), lp.tolist()))
+                for ids, lp in zip(result.top_ids[b, :n], result.top_logprobs[b, :n])
+            ]
         reason = result.finish_reason[b] if result.finish_reason else "length"
         out.append(Completion(data.decode("utf-8", errors="replace"), tokens, reason, stop, logprobs, top))
     return out
 
 
-def complete(params: Params, config: GPT2Config, prompts: str | list[str], key: jax.Array, *, max_new_tokens: int,
-             tokenizer: Any = None, **options: Any) -> list[Completion]:
+def complete(
+    params: Params,
+    config: GPT2Config,
+    prompts: str | list[str],
+    key: jax.Array,
+    *,
+    max_new_tokens: int,
+    tokenizer: Any = None,
+    **options: Any,
+) -> list[Completion]:
     """Prompt texts (one string or a list) -> one Completion per prompt. `options` are generate's (temperature,
     top_p, repetition_penalty, stop=["\\n\\n"], constraint=..., top_logprobs=N, ...); logprobs are returned."""
     enc = encoding(tokenizer)

@@ -53,9 +53,7 @@ class GPT2Config:
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0.0 <= value < 1.0:
                 raise ConfigError(f"GPT2Config.{name} is a dropout rate, in [0, 1); got {value!r}")
         if self.n_embd % self.n_head:
-            raise ConfigError(
-                f"GPT2Config: n_embd={self.n_embd} is not divisible by n_head={self.n_head}"
-            )
+            raise ConfigError(f"GPT2Config: n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         if self.n_valid_tokens is not None and not 0 < self.n_valid_tokens <= self.vocab_size:
             raise ConfigError(
                 f"GPT2Config.n_valid_tokens={self.n_valid_tokens} must be in [1, vocab_size={self.vocab_size}]"

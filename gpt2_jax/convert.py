@@ -50,7 +50,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                                                formatter_class=HelpFormatter)  # fmt: skip
     parser.add_argument("src", help="HF directory, .safetensors/.bin file, nanoGPT ckpt.pt, or gpt2_jax checkpoint")
     parser.add_argument("dst", help="output directory (written atomically)")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="cast the weights (default: keep)")
+    parser.add_argument(
+        "--dtype", choices=["float32", "bfloat16"], default=None, help="cast the weights (default: keep)"
+    )
     parser.add_argument("--force", action="store_true", help="replace dst if it exists")
     parser.add_argument("--to-hf", action="store_true", help="write a HuggingFace directory instead of orbax")
     return parser

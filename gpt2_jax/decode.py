@@ -62,8 +62,16 @@ class Step(NamedTuple):
 
 
 @functools.partial(jax.jit, static_argnames=("config", "capacity", "hooks"))
-def prefill(params: Params, tokens: jax.Array, lengths: jax.Array, keys: jax.Array, config: GPT2Config,
-            capacity: int, start: jax.Array | None = None, hooks=None) -> DecodeState:
+def prefill(
+    params: Params,
+    tokens: jax.Array,
+    lengths: jax.Array,
+    keys: jax.Array,
+    config: GPT2Config,
+    capacity: int,
+    start: jax.Array | None = None,
+    hooks=None,
+) -> DecodeState:
     """Right-padded prompts [B, P] of lengths [B] -> the state before the first draw: one cached forward
     writes every prompt's K/V into slots [0, P) of a fresh cache of `capacity` slots. start [B]: each
     row's initial constraint state (None: all free). hooks: a gpt2_jax.inspect.Hooks editing the
@@ -127,8 +135,9 @@ def feed(params: Params, state: DecodeState, token: jax.Array, config: GPT2Confi
 
 
 @functools.partial(jax.jit, static_argnames=("config", "r", "hooks"), donate_argnames=("state",))
-def decode_step(params: Params, state: DecodeState, rules: Rules, config: GPT2Config,
-                r: int = 0, hooks=None) -> tuple[DecodeState, Step]:
+def decode_step(
+    params: Params, state: DecodeState, rules: Rules, config: GPT2Config, r: int = 0, hooks=None
+) -> tuple[DecodeState, Step]:
     """One streaming step: draw tokens [B] (with their logprobs), then feed them back. The state is
     donated: its cache is updated in place, so pass the returned state on and drop the old one. On a
     mesh, the step and the done flags come back whole on every device (and process)."""
@@ -137,8 +146,16 @@ def decode_step(params: Params, state: DecodeState, rules: Rules, config: GPT2Co
     return state._replace(done=replicate(state.done)), replicate(step)
 
 
-def decode_loop(params: Params, state: DecodeState, rules: Rules, limit: jax.Array, config: GPT2Config,
-                steps: int, r: int, hooks=None) -> tuple[DecodeState, Step, jax.Array]:
+def decode_loop(
+    params: Params,
+    state: DecodeState,
+    rules: Rules,
+    limit: jax.Array,
+    config: GPT2Config,
+    steps: int,
+    r: int,
+    hooks=None,
+) -> tuple[DecodeState, Step, jax.Array]:
     """Up to `limit` draws (at most `steps`), stopping early once every row is done -> (state, Steps with a
     [B, steps] (or [B, steps, R]) leaf each, draws made). Steps never drawn hold the rows' fill and 0.
 
@@ -161,14 +178,26 @@ def decode_loop(params: Params, state: DecodeState, rules: Rules, limit: jax.Arr
                jnp.zeros((B, steps, r)))  # fmt: skip
     t, state, out = jax.lax.while_loop(running, step, (jnp.zeros((), jnp.int32), state, out))
     after = jnp.arange(steps)[None, :] >= t  # steps never drawn because every row had stopped
-    out = out._replace(token=jnp.where(after, state.fill[:, None], out.token), logprob=jnp.where(after, 0.0, out.logprob))
+    out = out._replace(
+        token=jnp.where(after, state.fill[:, None], out.token), logprob=jnp.where(after, 0.0, out.logprob)
+    )
     return state, out, t
 
 
 @functools.partial(jax.jit, static_argnames=("config", "capacity", "steps", "r", "hooks"))
-def generate_all(params: Params, tokens: jax.Array, lengths: jax.Array, keys: jax.Array, rules: Rules,
-                 limit: jax.Array, config: GPT2Config, capacity: int, steps: int,
-                 r: int = 0, hooks=None) -> tuple[Step, jax.Array, jax.Array]:
+def generate_all(
+    params: Params,
+    tokens: jax.Array,
+    lengths: jax.Array,
+    keys: jax.Array,
+    rules: Rules,
+    limit: jax.Array,
+    config: GPT2Config,
+    capacity: int,
+    steps: int,
+    r: int = 0,
+    hooks=None,
+) -> tuple[Step, jax.Array, jax.Array]:
     """prefill + up to `limit` draws -> (Steps [B, steps], generated [B], done [B]), whole on every device."""
     state = prefill(params, tokens, lengths, keys, config, capacity, rules.constraint.start, hooks)
     state, out, _ = decode_loop(params, state, rules, limit, config, steps, r, hooks)
@@ -176,8 +205,16 @@ def generate_all(params: Params, tokens: jax.Array, lengths: jax.Array, keys: ja
 
 
 @functools.partial(jax.jit, static_argnames=("config", "steps", "r", "hooks"), donate_argnames=("state",))
-def decode_chunk(params: Params, state: DecodeState, rules: Rules, limit: jax.Array, config: GPT2Config,
-                 steps: int, r: int = 0, hooks=None) -> tuple[DecodeState, Step, jax.Array]:
+def decode_chunk(
+    params: Params,
+    state: DecodeState,
+    rules: Rules,
+    limit: jax.Array,
+    config: GPT2Config,
+    steps: int,
+    r: int = 0,
+    hooks=None,
+) -> tuple[DecodeState, Step, jax.Array]:
     """Continue a prefilled state by up to `limit` <= steps draws (for host checks between chunks)."""
     state, out, t = decode_loop(params, state, rules, limit, config, steps, r, hooks)
     return state._replace(done=replicate(state.done)), replicate(out), t

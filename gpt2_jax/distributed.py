@@ -23,8 +23,7 @@ import jax
 from gpt2_jax.errors import ConfigError
 
 
-def initialize(coordinator: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None) -> None:
+def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None) -> None:
     """Join the other processes (call first, before any other JAX call). On CPU the collectives go
     over gloo (TCP), so several processes on one machine can stand in for several hosts."""
     given = [a is not None for a in (coordinator, num_processes, process_id)]

@@ -74,7 +74,9 @@ def _constraint_rows(constraint: Any, rows: int, config: GPT2Config, eos: int) -
         raise ConfigError(f"constraint given per row must have one entry per prompt ({rows}), got {len(per_row)}")
     for c in per_row:
         if c is not None and not isinstance(c, constraints.Constraint):
-            raise ConfigError(f"constraint must be a gpt2_jax.constraints object (regex, choice, json_schema), got {c!r}")
+            raise ConfigError(
+                f"constraint must be a gpt2_jax.constraints object (regex, choice, json_schema), got {c!r}"
+            )
     if any(c is not None for c in per_row) and eos < 0:
         raise ConfigError("a constraint needs an EOS id to end on (its accepting states allow only EOS); "
                           "pass eos_id=50256")  # fmt: skip
@@ -82,10 +84,25 @@ def _constraint_rows(constraint: Any, rows: int, config: GPT2Config, eos: int) -
     return constraints.pack(automata, config.vocab_size)
 
 
-def _prepare(params: Params, config: GPT2Config, prompts: Any, key: jax.Array, max_new_tokens: int, *,
-             temperature: Any = 1.0, top_k: Any = 0, top_p: Any = 1.0, min_p: Any = 0.0,
-             eos_id: int | str | None = "config", stop_ids: Any = (), stop: Any = None, constraint: Any = None,
-             top_logprobs: int = 0, hooks: Any = None, **processors: Any) -> _Prepared:
+def _prepare(
+    params: Params,
+    config: GPT2Config,
+    prompts: Any,
+    key: jax.Array,
+    max_new_tokens: int,
+    *,
+    temperature: Any = 1.0,
+    top_k: Any = 0,
+    top_p: Any = 1.0,
+    min_p: Any = 0.0,
+    eos_id: int | str | None = "config",
+    stop_ids: Any = (),
+    stop: Any = None,
+    constraint: Any = None,
+    top_logprobs: int = 0,
+    hooks: Any = None,
+    **processors: Any,
+) -> _Prepared:
     """Validate everything on the host, before anything is traced. A mesh's data axis must divide the
     rows: copies of the last row fill up to a multiple of it (rows never affect each other, so the
     caller just drops the copies' results)."""
@@ -99,21 +116,43 @@ def _prepare(params: Params, config: GPT2Config, prompts: Any, key: jax.Array, m
     rows = -(-B // data_size(mesh)) * data_size(mesh)
     tokens, lengths, keys, settings, procs, group, start = jax.tree.map(
         lambda x: pad_rows(x, rows),
-        (batch.tokens, batch.lengths, sampling.row_keys(key, B), settings, procs, tables.group, tables.start))
+        (batch.tokens, batch.lengths, sampling.row_keys(key, B), settings, procs, tables.group, tables.start),
+    )
     rules = Rules(settings, procs, StopRule(eos, ids), tables._replace(group=group, start=start))
     batch = batch._replace(tokens=tokens, lengths=lengths, keys=keys)
     edits = checked_hooks(hooks, config) or None  # None: the plain programs
     return _Prepared(batch, rules, mesh, check_stop_strings(stop), check_top_logprobs(top_logprobs), edits)
 
 
-def generate(params: Params, config: GPT2Config, prompts: Any, key: jax.Array, *, max_new_tokens: int,
-             temperature: Any = 1.0, top_k: Any = 0, top_p: Any = 1.0, min_p: Any = 0.0,
-             repetition_penalty: Any = 1.0, frequency_penalty: Any = 0.0, presence_penalty: Any = 0.0,
-             logit_bias: Any = None, no_repeat_ngram_size: Any = 0, bad_words_ids: Any = None,
-             min_new_tokens: Any = 0, constraint: Any = None, eos_id: int | str | None = "config",
-             stop_ids: Any = (), stop: Any = None, tokenizer: Any = None, top_logprobs: int = 0,
-             return_logprobs: bool = False, draft: Any = None, num_speculative_tokens: int = 4,
-             hooks: Any = None) -> GenerateResult:
+def generate(
+    params: Params,
+    config: GPT2Config,
+    prompts: Any,
+    key: jax.Array,
+    *,
+    max_new_tokens: int,
+    temperature: Any = 1.0,
+    top_k: Any = 0,
+    top_p: Any = 1.0,
+    min_p: Any = 0.0,
+    repetition_penalty: Any = 1.0,
+    frequency_penalty: Any = 0.0,
+    presence_penalty: Any = 0.0,
+    logit_bias: Any = None,
+    no_repeat_ngram_size: Any = 0,
+    bad_words_ids: Any = None,
+    min_new_tokens: Any = 0,
+    constraint: Any = None,
+    eos_id: int | str | None = "config",
+    stop_ids: Any = (),
+    stop: Any = None,
+    tokenizer: Any = None,
+    top_logprobs: int = 0,
+    return_logprobs: bool = False,
+    draft: Any = None,
+    num_speculative_tokens: int = 4,
+    hooks: Any = None,
+) -> GenerateResult:
     """Prompts (lists of token ids, ragged) -> GenerateResult(tokens [B, N], lengths [B], logprobs, ...).
 
     key: one PRNG key (row b uses fold_in(key, b)) or one key per row [B]. Each sampling setting is a
@@ -160,8 +199,8 @@ def generate(params: Params, config: GPT2Config, prompts: Any, key: jax.Array, *
         if hit is not None:  # the tokens after the completing one were drawn in the same chunk: drop them
             lengths[b] = hit.token + 1
             eos = int(prep.rules.stop.eos_id)
-            toks[b, lengths[b]:] = eos if eos >= 0 else toks[b, hit.token]
-            logprobs[b, lengths[b]:] = 0.0
+            toks[b, lengths[b] :] = eos if eos >= 0 else toks[b, hit.token]
+            logprobs[b, lengths[b] :] = 0.0
     reason = ["stop" if d or h is not None else "length" for d, h in zip(done, hits)]
     top_ids = top_lp = None
     if r:
@@ -195,8 +234,9 @@ def _token_bytes(tokenizer: Any):
     return encoding(tokenizer).decode_single_token_bytes
 
 
-def _generate_chunks(params: Params, config: GPT2Config, prep: _Prepared, n: int, tokenizer: Any, r: int,
-                     spec: Speculator | None) -> tuple[Any, Any, Any, list[StopHit | None]]:
+def _generate_chunks(
+    params: Params, config: GPT2Config, prep: _Prepared, n: int, tokenizer: Any, r: int, spec: Speculator | None
+) -> tuple[Any, Any, Any, list[StopHit | None]]:
     """Decode in chunks: with stop strings, DECODE_CHUNK steps per call, and between calls each row's new
     tokens go to the stop matcher, which halts the rows whose stop string completed. Speculative
     rounds (spec) run the same way, all n steps in one call when there are no stop strings."""
@@ -239,8 +279,16 @@ def _generate_chunks(params: Params, config: GPT2Config, prep: _Prepared, n: int
     return out, state.generated, state.done, matcher.hits
 
 
-def generate_stream(params: Params, config: GPT2Config, prompts: Any, key: jax.Array, *, max_new_tokens: int,
-                    tokenizer: Any = None, **options: Any) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+def generate_stream(
+    params: Params,
+    config: GPT2Config,
+    prompts: Any,
+    key: jax.Array,
+    *,
+    max_new_tokens: int,
+    tokenizer: Any = None,
+    **options: Any,
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Like generate (the same options), one decode_step at a time: yields (tokens [B], live [B]) per step,
     where live marks the rows whose token is newly generated (the others have stopped and repeat EOS).
     A row whose stop string completes yields that token live and then stops."""

@@ -19,7 +19,12 @@ from gpt2_jax.config import HF_ACTIVATIONS, PRESETS, GPT2Config
 from gpt2_jax.errors import CheckpointError, ConfigError
 from gpt2_jax.tensors import Lazy
 
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 _BUFFER = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)$")
 
 

@@ -159,8 +159,15 @@ def heads_view(tap, name: str, x: jax.Array) -> jax.Array:
     return jnp.swapaxes(tap(name, jnp.swapaxes(x, 1, 2)), 1, 2)
 
 
-def attention(p: dict, x: jax.Array, config: GPT2Config, layer: jax.Array | int, cache=None,
-              key: jax.Array | None = None, tap=None):
+def attention(
+    p: dict,
+    x: jax.Array,
+    config: GPT2Config,
+    layer: jax.Array | int,
+    cache=None,
+    key: jax.Array | None = None,
+    tap=None,
+):
     """[B, T, D] -> ([B, T, D], cache): causal multi-head self-attention, heads concatenated, then c_proj.
     With a cache (cache.CacheView), the new K/V are written into it first and attention reads the whole
     cache under its mask. With a key (training: attend_causal), dropout on the attention weights and the output.
@@ -187,8 +194,15 @@ def project_heads(p: dict, heads: jax.Array) -> jax.Array:
     return constrain(linear(p, merge_heads(heads)), "BTD")
 
 
-def block(p: dict, x: jax.Array, config: GPT2Config, layer: jax.Array | int, cache=None,
-          key: jax.Array | None = None, tap=None):
+def block(
+    p: dict,
+    x: jax.Array,
+    config: GPT2Config,
+    layer: jax.Array | int,
+    cache=None,
+    key: jax.Array | None = None,
+    tap=None,
+):
     """x [B, T, D] -> (x [B, T, D], cache): pre-LN transformer block with residual connections.
     layer: this block's index (for the cache and inverse-layer scaling); dropout only with a key.
     Hook points [B, T, D]: hook_resid_pre, hook_attn_out, hook_resid_mid, hook_mlp_out,

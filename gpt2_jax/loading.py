@@ -61,12 +61,21 @@ def _training_run(path: Path) -> Path:
     what = "a training checkpoint (params + optimizer state, no config)" if run != path else "a training run"
     if checkpoint.is_checkpoint(run / "model"):
         raise CheckpointError(f"{path}: {what}; load the run's final model: --model {run / 'model'}")
-    raise CheckpointError(f"{path}: {what} that has not written model/ yet; finish it with gpt2-jax train "
-                          f"--resume --out {run} (same arguments), then use --model {run / 'model'}")
+    raise CheckpointError(
+        f"{path}: {what} that has not written model/ yet; finish it with gpt2-jax train "
+        f"--resume --out {run} (same arguments), then use --model {run / 'model'}"
+    )
 
 
-def load(path: str | Path, *, dtype: Any = None, config: GPT2Config | None = None,
-         mesh: Any = None, progress: bool = False, stacked: bool = False) -> tuple[Params, GPT2Config]:
+def load(
+    path: str | Path,
+    *,
+    dtype: Any = None,
+    config: GPT2Config | None = None,
+    mesh: Any = None,
+    progress: bool = False,
+    stacked: bool = False,
+) -> tuple[Params, GPT2Config]:
     """Any supported checkpoint -> (params, config), each layer's tensors their own buffers (the fast form
     for every path; see gpt2_jax.params). A gpt2-jax train --out directory loads its model/.
     dtype: keep the stored one (None), float32 or bfloat16. mesh (gpt2_jax.sharding.make_mesh): lay the params out on it, each device receiving only its shards.

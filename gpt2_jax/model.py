@@ -38,9 +38,16 @@ def unembed(params: Params, h: jax.Array, config: GPT2Config, tap=None) -> jax.A
     return matmul(h.astype(wte.dtype), wte)  # [B, T, D] x [V, D] -> [B, T, V]
 
 
-def run_blocks(params: Params, x: jax.Array, config: GPT2Config, cache: CacheView | None = None,
-               key: jax.Array | None = None, tap=None, unroll: int = 1,
-               remat: bool = False) -> tuple[jax.Array, CacheView | None]:
+def run_blocks(
+    params: Params,
+    x: jax.Array,
+    config: GPT2Config,
+    cache: CacheView | None = None,
+    key: jax.Array | None = None,
+    tap=None,
+    unroll: int = 1,
+    remat: bool = False,
+) -> tuple[jax.Array, CacheView | None]:
     """x [B, T, D] -> (x [B, T, D], cache): the L blocks as one lax.scan over the layer index (compile
     time independent of L), per-layer or stacked params alike (see gpt2_jax.scan). With a cache, each
     block writes its K/V into it; with a key, layer i's dropout uses fold_in(key, i). With a tap
@@ -66,15 +73,21 @@ def run_blocks(params: Params, x: jax.Array, config: GPT2Config, cache: CacheVie
     return x, cache
 
 
-def apply(params: Params, tokens: jax.Array, config: GPT2Config, key: jax.Array | None = None,
-          tap=None) -> jax.Array:
+def apply(params: Params, tokens: jax.Array, config: GPT2Config, key: jax.Array | None = None, tap=None) -> jax.Array:
     """tokens [B, T] -> logits [B, T, V], unjitted and unchecked. A key turns on dropout (training only);
     a tap (gpt2_jax.inspect) records or edits the activations at TransformerLens's hook points."""
     return unembed(params, trunk(params, tokens, config, key, tap), config, tap)
 
 
-def trunk(params: Params, tokens: jax.Array, config: GPT2Config, key: jax.Array | None = None, tap=None,
-          unroll: int = 1, remat: bool = False) -> jax.Array:
+def trunk(
+    params: Params,
+    tokens: jax.Array,
+    config: GPT2Config,
+    key: jax.Array | None = None,
+    tap=None,
+    unroll: int = 1,
+    remat: bool = False,
+) -> jax.Array:
     """tokens [B, T] -> the last block's output [B, T, D]: embeddings (dropped out with a key), then the
     blocks (run_blocks; unroll and remat are the training step's options). apply's body before unembed."""
     k_embd, k_blocks = (None, None) if key is None else jax.random.split(key)
@@ -104,9 +117,7 @@ def check_tokens(tokens, config: GPT2Config) -> None:
     bad = (values < 0) | (values >= config.vocab_size)
     if bad.any():
         b, t = np.argwhere(bad)[0]
-        raise InputError(
-            f"token id {int(values[b, t])} at [{b}, {t}] is outside the vocab [0, {config.vocab_size})"
-        )
+        raise InputError(f"token id {int(values[b, t])} at [{b}, {t}] is outside the vocab [0, {config.vocab_size})")
 
 
 def forward(params: Params, tokens, config: GPT2Config) -> jax.Array:
@@ -117,8 +128,9 @@ def forward(params: Params, tokens, config: GPT2Config) -> jax.Array:
         return _forward(params, jnp.asarray(tokens, jnp.int32), config)
 
 
-def forward_cached(params: Params, tokens: jax.Array, cache: KVCache, config: GPT2Config,
-                   last: jax.Array | None = None, hooks=None) -> tuple[jax.Array, KVCache]:
+def forward_cached(
+    params: Params, tokens: jax.Array, cache: KVCache, config: GPT2Config, last: jax.Array | None = None, hooks=None
+) -> tuple[jax.Array, KVCache]:
     """tokens [B, T] into row b's slots [lengths[b], lengths[b] + T) -> (logits [B, T, V], cache with
     lengths + T). last [B]: return only the logits at that index of each row ([B, 1, V]; a prefill
     needs just each prompt's last token). The blocks are the ones forward runs: each writes its new

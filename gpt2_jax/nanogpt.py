@@ -47,7 +47,9 @@ def read_checkpoint(ckpt: dict, path: Path) -> tuple[dict[str, Lazy], GPT2Config
     """A torch_load'ed ckpt.pt dict -> (flat lazy tensors in our [in, out] layout, config).
     The Linear weights are read transposed, chunk by chunk, as they are copied into place."""
     config = config_from_args(ckpt["model_args"], str(path))
-    state = files.tensors_of(ckpt, path, select=lambda c: {k.removeprefix("_orig_mod."): v for k, v in c["model"].items()})
+    state = files.tensors_of(
+        ckpt, path, select=lambda c: {k.removeprefix("_orig_mod."): v for k, v in c["model"].items()}
+    )
     flat = normalize_keys(state, str(path))
     for name, value in flat.items():
         if name.endswith(_LINEARS):

@@ -160,7 +160,9 @@ def check_tree(shapes: Any, config: GPT2Config, source: str) -> None:
         raise CheckpointError(f"{source}: {what} for the {config.n_layer}-layer config beside it")
     for name, shape in want.items():
         if got[name] != shape:
-            hint = " (a layout older than gpt2_jax 0.3: convert the source checkpoint again)" if "weight" in name else ""
+            hint = (
+                " (a layout older than gpt2_jax 0.3: convert the source checkpoint again)" if "weight" in name else ""
+            )
             raise CheckpointError(f"{source}: {name} has shape {got[name]}, expected {shape}{hint}")
 
 
@@ -185,7 +187,7 @@ def init_params(key: jax.Array, config: GPT2Config, dtype: Any = jnp.float32, *,
     params: Params = {"h": {}}
     for name, shape in shapes.items():
         layer = name.startswith("h.0.")
-        full = (config.n_layer, *tree_shape(name[len("h.0."):], shape)) if layer else shape
+        full = (config.n_layer, *tree_shape(name[len("h.0.") :], shape)) if layer else shape
         if name.startswith(("ln_", "h.0.ln_")):
             value = jnp.ones(full, dtype) if name.endswith("weight") else jnp.zeros(full, dtype)
         elif name.endswith("bias"):
@@ -194,7 +196,7 @@ def init_params(key: jax.Array, config: GPT2Config, dtype: Any = jnp.float32, *,
             std = resid_std if name.endswith("c_proj.weight") else 0.02
             value = (std * jax.random.normal(keys[name], full, jnp.float32)).astype(dtype)
         if layer:
-            _set(params["h"], name[len("h.0."):], value)
+            _set(params["h"], name[len("h.0.") :], value)
         else:
             _set(params, _EMBEDDINGS.get(name, name), value)
     return params if stacked else unstack_layers(params)

@@ -130,6 +130,7 @@ def shard_params(params: Params, config: GPT2Config, mesh: Mesh) -> Params:
 def onto_mesh(tree: Any, mesh: Mesh) -> Any:
     """Every leaf not yet on the mesh (step counters, say) placed on it whole, so that a restore
     targeting this tree, and the jitted step reading it, see a single layout."""
+
     def place(a):
         if isinstance(getattr(a, "sharding", None), NamedSharding) and a.sharding.mesh == mesh:
             return a

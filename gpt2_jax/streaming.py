@@ -158,7 +158,8 @@ def build_params(flat: Mapping[str, Any], config: GPT2Config, source: str, dtype
                 bar.update(view.nbytes)
             else:
                 array = jax.make_array_from_callback(
-                    shape, sh, lambda index, t=shape, d=dt, st=on_l, s=sources: fill_shard(t, d, st, s, index, bar))
+                    shape, sh, lambda index, t=shape, d=dt, st=on_l, s=sources: fill_shard(t, d, st, s, index, bar)
+                )
             _set(params if layer is None else params["h"][layer], name, array)
     return params
 

@@ -114,7 +114,9 @@ def safetensors_file(path: Path, budget: int | None = None) -> dict[str, Lazy]:
         part = header.get_slice(name)
         kind = part.get_dtype()
         if kind not in _SAFETENSORS_DTYPES:
-            raise CheckpointError(f"{path}: tensor {name} has dtype {kind}; expected one of {sorted(_SAFETENSORS_DTYPES)}")
+            raise CheckpointError(
+                f"{path}: tensor {name} has dtype {kind}; expected one of {sorted(_SAFETENSORS_DTYPES)}"
+            )
         tensors[name] = (tuple(part.get_shape()), np.dtype(_SAFETENSORS_DTYPES[kind]))
     del header, part
     with open(path, "rb") as f:  # the layout safe_open has just validated: u64 n, n bytes of JSON, data

@@ -45,8 +45,15 @@ class Hyper(NamedTuple):
 TRAIN_UNROLL = 12  # layers per iteration of the training step's layer scan (see loss_fn)
 
 
-def loss_fn(params: Params, tokens: jax.Array, config: GPT2Config, *, key: jax.Array | None = None,
-            train: bool = False, remat: bool = False) -> jax.Array:
+def loss_fn(
+    params: Params,
+    tokens: jax.Array,
+    config: GPT2Config,
+    *,
+    key: jax.Array | None = None,
+    train: bool = False,
+    remat: bool = False,
+) -> jax.Array:
     """tokens int32 [B, T+1] -> mean cross-entropy (nats) of tokens[:, 1:] given tokens[:, :-1].
     Dropout (config's embd/attn/resid rates) only when train=True, driven by key. remat: recompute
     each block's activations in the backward instead of keeping them (less memory, more time).

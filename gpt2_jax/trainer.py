@@ -38,7 +38,9 @@ def parse_config(spec: str) -> GPT2Config:
     try:
         fields = json.loads(text or "")
     except ValueError:
-        raise ConfigError(f"--config {spec!r} is neither a preset ({', '.join(PRESETS)}), a JSON file, nor JSON") from None
+        raise ConfigError(
+            f"--config {spec!r} is neither a preset ({', '.join(PRESETS)}), a JSON file, nor JSON"
+        ) from None
     return GPT2Config.from_dict(fields)
 
 
@@ -52,7 +54,11 @@ def initial_params(init: str, config: GPT2Config | None, key: jax.Array) -> tupl
 
     params, found = load(init, dtype="float32")
     if config is not None and config != found:
-        diff = {f: (getattr(config, f), getattr(found, f)) for f in config.to_dict() if getattr(config, f) != getattr(found, f)}
+        diff = {
+            f: (getattr(config, f), getattr(found, f))
+            for f in config.to_dict()
+            if getattr(config, f) != getattr(found, f)
+        }
         raise ConfigError(f"--config does not match --init {init}: {diff} (--config value, checkpoint value)")
     return stack_layers(params), found
 
@@ -81,10 +87,26 @@ def _manager(out: Path):
     return ocp.CheckpointManager(out.absolute() / "checkpoints", options=ocp.CheckpointManagerOptions(max_to_keep=2))
 
 
-def train(data: str, out: str, *, config: GPT2Config | None, init: str, hyper: Hyper, batch_size: int,
-          block_size: int, accum: int = 1, seed: int = 0, eval_every: int = 100, eval_batches: int = 8,
-          ckpt_every: int = 200, resume: bool = False, progress: bool = True, mesh: Any = None,
-          remat: bool = False, dropout: float | None = None) -> dict[str, Any]:
+def train(
+    data: str,
+    out: str,
+    *,
+    config: GPT2Config | None,
+    init: str,
+    hyper: Hyper,
+    batch_size: int,
+    block_size: int,
+    accum: int = 1,
+    seed: int = 0,
+    eval_every: int = 100,
+    eval_batches: int = 8,
+    ckpt_every: int = 200,
+    resume: bool = False,
+    progress: bool = True,
+    mesh: Any = None,
+    remat: bool = False,
+    dropout: float | None = None,
+) -> dict[str, Any]:
     """Train and return the history {"loss": [...], "val": [[step, loss], ...]}. With a mesh
     (gpt2_jax.sharding.make_mesh) params and optimizer state are sharded and each step is data-
     and tensor-parallel; checkpoints are written shard by shard and restored into the same layout.
@@ -114,9 +136,24 @@ def train(data: str, out: str, *, config: GPT2Config | None, init: str, hyper: H
         raise
 
 
-def _run(out_dir: Path, tokens: TokenData, key: jax.Array, params: Params, config: GPT2Config, hyper: Hyper,
-         batch_size: int, block_size: int, accum: int, eval_every: int, eval_batches: int, ckpt_every: int,
-         resume: bool, progress: bool, mesh: Any, remat: bool) -> dict[str, Any]:
+def _run(
+    out_dir: Path,
+    tokens: TokenData,
+    key: jax.Array,
+    params: Params,
+    config: GPT2Config,
+    hyper: Hyper,
+    batch_size: int,
+    block_size: int,
+    accum: int,
+    eval_every: int,
+    eval_batches: int,
+    ckpt_every: int,
+    resume: bool,
+    progress: bool,
+    mesh: Any,
+    remat: bool,
+) -> dict[str, Any]:
     import orbax.checkpoint as ocp
 
     if mesh is not None:
@@ -137,8 +174,9 @@ def _run(out_dir: Path, tokens: TokenData, key: jax.Array, params: Params, confi
         raise GPT2JaxError(f"{out_dir} already holds checkpoints; pass --resume to continue, or use a new --out")
 
     data_key, drop_key, eval_key = (jax.random.fold_in(key, i) for i in (1, 2, 3))
-    val_batches = np.stack([tokens.batch("val", jax.random.fold_in(eval_key, i), batch_size, block_size)
-                            for i in range(eval_batches)])  # fixed: every eval scores the same windows
+    val_batches = np.stack(
+        [tokens.batch("val", jax.random.fold_in(eval_key, i), batch_size, block_size) for i in range(eval_batches)]
+    )  # fixed: every eval scores the same windows
 
     def batch_of(s: int) -> np.ndarray:  # [accum, B, T+1]: step s's micro-batches
         return np.stack([tokens.batch("train", jax.random.fold_in(jax.random.fold_in(data_key, s), a), batch_size,

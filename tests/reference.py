@@ -12,13 +12,25 @@ torch.set_num_threads(2)
 
 
 def make_hf_model(
-    n_layer: int = 2, n_head: int = 3, n_embd: int = 48, vocab_size: int = 101, n_positions: int = 64,
-    seed: int = 0, zero_biases: bool = False, **config_kwargs,
+    n_layer: int = 2,
+    n_head: int = 3,
+    n_embd: int = 48,
+    vocab_size: int = 101,
+    n_positions: int = 64,
+    seed: int = 0,
+    zero_biases: bool = False,
+    **config_kwargs,
 ) -> transformers.GPT2LMHeadModel:
     """A GPT2LMHeadModel in eval mode whose every parameter, LayerNorms included, is random."""
     config = transformers.GPT2Config(
-        n_layer=n_layer, n_head=n_head, n_embd=n_embd, vocab_size=vocab_size, n_positions=n_positions,
-        bos_token_id=vocab_size - 1, eos_token_id=vocab_size - 1, **config_kwargs,
+        n_layer=n_layer,
+        n_head=n_head,
+        n_embd=n_embd,
+        vocab_size=vocab_size,
+        n_positions=n_positions,
+        bos_token_id=vocab_size - 1,
+        eos_token_id=vocab_size - 1,
+        **config_kwargs,
     )
     torch.manual_seed(seed)
     model = transformers.GPT2LMHeadModel(config).eval()
@@ -112,8 +124,9 @@ def save_nanogpt(model: transformers.GPT2LMHeadModel, path: Path, *, bias: bool 
     return path
 
 
-def hf_state(model: transformers.GPT2LMHeadModel, *, prefix: bool = True, lm_head: bool = False,
-             buffers: bool = False) -> dict[str, torch.Tensor]:
+def hf_state(
+    model: transformers.GPT2LMHeadModel, *, prefix: bool = True, lm_head: bool = False, buffers: bool = False
+) -> dict[str, torch.Tensor]:
     """The model's tensors as a .bin state dict: with or without "transformer.", the tied lm_head,
     and the legacy attn.bias / attn.masked_bias buffers that old transformers wrote."""
     c = model.config

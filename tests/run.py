@@ -32,7 +32,9 @@ def order(paths: list[Path]) -> list[Path]:
 
 def run_file(path: Path) -> tuple[Path, subprocess.CompletedProcess, float]:
     start = time.perf_counter()
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", str(path), *sys.argv[1:]], capture_output=True, text=True)
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", str(path), *sys.argv[1:]], capture_output=True, text=True
+    )
     return path, run, time.perf_counter() - start
 
 

@@ -11,7 +11,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 NUMBER = r"\d+(?:\.\d+)?"
 # | model | phase | batch | gpt2_jax tok/s | gpt2_jax ms | transformers tok/s | ratio | > transformers |
-CELLS = [r"(decode|decode int8|prefill \d+)", r"(\d+)", f"({NUMBER})", f"({NUMBER})", f"({NUMBER})", f"({NUMBER})x", "(PASS|MISS)"]
+CELLS = [
+    r"(decode|decode int8|prefill \d+)",
+    r"(\d+)",
+    f"({NUMBER})",
+    f"({NUMBER})",
+    f"({NUMBER})",
+    f"({NUMBER})x",
+    "(PASS|MISS)",
+]
 ROW = re.compile(r"^\| tiny \| " + r" \| ".join(CELLS) + r" \|$", re.M)
 
 
@@ -24,7 +32,7 @@ def test_gpu_bench_smoke_runs_and_prints_the_table(tmp_path):
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
 
     out = proc.stdout.rstrip()
-    table = out[out.rindex("## gpt2_jax vs transformers"):]  # the last table printed, at the very end
+    table = out[out.rindex("## gpt2_jax vs transformers") :]  # the last table printed, at the very end
     rows = ROW.findall(table)
     assert sorted((phase, int(b)) for phase, b, *_ in rows) == [
         ("decode", 1), ("decode", 2), ("decode int8", 1), ("prefill 128", 2)

@@ -23,8 +23,10 @@ ROWS = {  # row name (a regex) -> what follows its ratio
     r"constraint choice": "constraint",
     r"constraint json_schema": "constraint",
     r"top_logprobs 5": "penalty",
-    r"plain, generate's loop": (rf"reference; bound .*x of bound; {NUMBER}x decode_step's plain "
-                                rf"\(best {NUMBER}x; not paired\)"),
+    r"plain, generate's loop": (
+        rf"reference; bound .*x of bound; {NUMBER}x decode_step's plain "
+        rf"\(best {NUMBER}x; not paired\)"
+    ),
     r"stop strings \['\\n\\n'\] \(chunked\)": "penalty",
 }
 VERDICT = {"penalty": r"target <= 1\.10x: (PASS|MISS)", "constraint": r"target <= 1\.25x: (PASS|MISS)"}

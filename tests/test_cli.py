@@ -18,8 +18,10 @@ from gpt2_jax.cli import build_parser, compile_cache_dir, main
 from gpt2_jax.generate import generate
 from tests.reference import make_hf_model
 
-SUMMARY = re.compile(r"^gpt2-jax: \d+ tokens in [\d.]+ s \([\d.]+ tokens/s\), compile [\d.]+ s, KV cache [\d.]+ [KM]iB, "
-                     r"seed \d+(; --seed \d+ reproduces this)?$")
+SUMMARY = re.compile(
+    r"^gpt2-jax: \d+ tokens in [\d.]+ s \([\d.]+ tokens/s\), compile [\d.]+ s, KV cache [\d.]+ [KM]iB, "
+    r"seed \d+(; --seed \d+ reproduces this)?$"
+)
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +91,9 @@ def test_hub_id_is_downloaded_once_and_cached_converted(hf_dir, capsys, monkeypa
     calls = []
     monkeypatch.setattr(hub, "_download", lambda repo: calls.append(repo) or hf_dir)
     for _ in range(2):
-        code, out, _ = run(capsys, "generate", "--model", "someone/tiny-gpt2", "--prompt", "hi", "--max-new-tokens", "3")
+        code, out, _ = run(
+            capsys, "generate", "--model", "someone/tiny-gpt2", "--prompt", "hi", "--max-new-tokens", "3"
+        )
         assert code == 0 and out.startswith("hi")
     assert calls == ["someone/tiny-gpt2"]
     assert (tmp_path / "cache" / "someone--tiny-gpt2" / "gpt2_jax.json").is_file()
@@ -202,9 +206,9 @@ def test_processor_flags_match_the_library(hf_dir, capsys):
 def test_stop_flag_cuts_the_text_streamed_or_not(hf_dir, capsys):
     base = ["generate", "--model", str(hf_dir), "--prompt", "ROMEO:", "--max-new-tokens", "30", "--seed", "6"]
     _, plain, _ = run(capsys, *base)
-    generated = plain[len("ROMEO:"):-1]
+    generated = plain[len("ROMEO:") : -1]
     # two letters from the middle of the text (argparse reads a leading "-" as a flag)
-    stop = next(generated[i:i + 2] for i in range(8, len(generated)) if generated[i:i + 2].isalnum())
+    stop = next(generated[i : i + 2] for i in range(8, len(generated)) if generated[i : i + 2].isalnum())
     expected = "ROMEO:" + generated[: generated.index(stop)] + "\n"
     for extra in ([], ["--stream"]):
         code, out, _ = run(capsys, *base, "--stop", stop, "--stop", "\u2603never", *extra)
@@ -221,7 +225,7 @@ def test_constraint_and_top_logprobs_flags(hf_dir, capsys, tmp_path):
     code, out, _ = run(capsys, *base, "--json-schema", str(schema))
     import json
 
-    assert code == 0 and isinstance(json.loads(out[len("Answer:"):])["ok"], bool)
+    assert code == 0 and isinstance(json.loads(out[len("Answer:") :])["ok"], bool)
     code, out, _ = run(capsys, *base, "--regex", "[0-9]{3}", "--top-logprobs", "3")
     text, table = out.split("--- top logprobs (raw distribution) ---\n")
     assert code == 0 and re.fullmatch(r"Answer:[0-9]{3}\n", text)

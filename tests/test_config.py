@@ -36,11 +36,17 @@ def test_param_count_matches_transformers():
 
 
 def test_init_params_count_and_no_bias_variant():
-    for config in (GPT2Config(n_layer=3, n_head=2, n_embd=32, vocab_size=50, n_positions=16),
-                   GPT2Config(n_layer=3, n_head=2, n_embd=32, vocab_size=50, n_positions=16, bias=False)):
+    for config in (
+        GPT2Config(n_layer=3, n_head=2, n_embd=32, vocab_size=50, n_positions=16),
+        GPT2Config(n_layer=3, n_head=2, n_embd=32, vocab_size=50, n_positions=16, bias=False),
+    ):
         params = init_params(jax.random.key(0), config)
         assert sum(a.size for a in jax.tree.leaves(params)) == config.n_params
-        assert len(params["h"]) == 3 and params["h"][0]["attn"]["c_attn"]["weight"].shape == (3, 32, 32)  # q|k|v, out, in
+        assert len(params["h"]) == 3 and params["h"][0]["attn"]["c_attn"]["weight"].shape == (
+            3,
+            32,
+            32,
+        )  # q|k|v, out, in
         assert params["h"][0]["mlp"]["c_fc"]["weight"].shape == (128, 32)  # [out, in]
         stacked = init_params(jax.random.key(0), config, stacked=True)
         assert stacked["h"]["attn"]["c_attn"]["weight"].shape == (3, 3, 32, 32)  # [L, q|k|v, out, in]
@@ -74,8 +80,12 @@ def test_config_is_frozen_and_hashable():
 
 def test_preset_sizes():
     got = {n: (c.n_layer, c.n_head, c.n_embd) for n, c in PRESETS.items()}
-    assert got == {"gpt2": (12, 12, 768), "gpt2-medium": (24, 16, 1024), "gpt2-large": (36, 20, 1280),
-                   "gpt2-xl": (48, 25, 1600)}
+    assert got == {
+        "gpt2": (12, 12, 768),
+        "gpt2-medium": (24, 16, 1024),
+        "gpt2-large": (36, 20, 1280),
+        "gpt2-xl": (48, 25, 1600),
+    }
 
 
 def test_invalid_config_values():

@@ -50,8 +50,16 @@ def assert_same(params, config, req, rec):
 def test_random_arrivals_share_slots_and_each_request_equals_generate_alone(model):
     params, config, enc = model
     rng = np.random.default_rng(0)
-    texts = ["ROMEO:", "JULIET: O Romeo, Romeo, wherefore", "To be", "HAMLET:\n", "KING HENRY: Once more", "Age:",
-             "FIRST CITIZEN:\nBefore we proceed", "O"]
+    texts = [
+        "ROMEO:",
+        "JULIET: O Romeo, Romeo, wherefore",
+        "To be",
+        "HAMLET:\n",
+        "KING HENRY: Once more",
+        "Age:",
+        "FIRST CITIZEN:\nBefore we proceed",
+        "O",
+    ]
     settings = [dict(temperature=0.8, top_k=40), dict(repetition_penalty=1.3), dict(temperature=0.0, stop=["\n"]),
                 dict(temperature=1.2, min_p=0.05, frequency_penalty=0.5), dict(top_p=0.9, presence_penalty=1.0),
                 dict(constraint=constraints.regex(" [0-9]{1,3}")), dict(no_repeat_ngram_size=2, logit_bias={13: 5.0}),

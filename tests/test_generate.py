@@ -26,7 +26,7 @@ def hf_greedy(model, prompt, n):
     ids = torch.tensor([prompt])
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                          do_sample=False, pad_token_id=0, eos_token_id=None)  # fmt: skip
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 def test_greedy_equals_transformers_per_prompt_and_in_a_ragged_batch(model_and_params):
@@ -112,7 +112,7 @@ def test_eos_and_stop_ids(model_and_params):
     out = generate(params, config, PROMPTS, jax.random.key(0), max_new_tokens=12, temperature=0.0, eos_id=eos)
     assert out.lengths[0] == first + 1
     assert out.tokens[0, : first + 1].tolist() == free.tokens[0, : first + 1].tolist()
-    assert (out.tokens[0, first + 1:] == eos).all()
+    assert (out.tokens[0, first + 1 :] == eos).all()
     for b in range(4):  # every row: stops at its own first EOS, or runs to the end
         hits = np.flatnonzero(free.tokens[b] == eos)
         assert out.lengths[b] == (hits[0] + 1 if hits.size else 12)
@@ -144,8 +144,17 @@ def test_settings_keys_and_lengths_in_a_bucket_never_recompile(model_and_params)
     for i, (t, k, p) in enumerate([(1.0, 0, 1.0), (0.5, 10, 0.9), (0.0, 0, 1.0), (1.7, 3, 0.5)]):
         generate(params, config, [[1, 2, 3], [4, 5]], jax.random.key(i), max_new_tokens=9 + i, temperature=t,
                  top_k=k, top_p=p, eos_id=100, stop_ids=[i])  # fmt: skip
-    generate(params, config, [[1, 2, 3, 4, 5, 6, 7], [4]], jax.random.key(9), max_new_tokens=16,
-             temperature=np.array([0.2, 0.9]), top_k=np.array([1, 0]), top_p=np.array([1.0, 0.3]), eos_id=None)
+    generate(
+        params,
+        config,
+        [[1, 2, 3, 4, 5, 6, 7], [4]],
+        jax.random.key(9),
+        max_new_tokens=16,
+        temperature=np.array([0.2, 0.9]),
+        top_k=np.array([1, 0]),
+        top_p=np.array([1.0, 0.3]),
+        eos_id=None,
+    )
     assert _generate._cache_size() == before + 1  # one compile for the (B=2, P=16, N=16) bucket
 
 
@@ -207,7 +216,8 @@ def test_steering_hooks_while_decoding_match_a_torch_hook(model_and_params):
     ours = generate(params, config, [prompt], jax.random.key(0), **kw)
     add = torch.from_numpy(steer)
     handle = model.transformer.h[0].register_forward_hook(
-        lambda m, i, o: (o[0] + add, *o[1:]) if isinstance(o, tuple) else o + add)
+        lambda m, i, o: (o[0] + add, *o[1:]) if isinstance(o, tuple) else o + add
+    )
     try:
         ids = torch.tensor([prompt])
         hf = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,

@@ -89,7 +89,7 @@ def test_every_hook_point_matches_transformer_lens(model, tl_run, our_run):
         err = masked_rel_err(ours, theirs, name)  # attention scores: -inf above the diagonal on both sides
         assert err <= TOL, f"{name}: relative error {err:.2e} against TransformerLens"
     assert rel_err(logits, tl_logits) <= TOL and rel_err(logits, hf_logits(hf, TOKENS)) <= TOL
-    assert (cache["blocks.1.attn.hook_pattern"].sum(-1) == pytest.approx(1.0, abs=1e-6))
+    assert cache["blocks.1.attn.hook_pattern"].sum(-1) == pytest.approx(1.0, abs=1e-6)
 
 
 def zero_head(head: int):
@@ -162,7 +162,9 @@ def test_gradient_through_a_hook_matches_finite_differences(model):
         return gpt2_jax.run_with_hooks(params, TOKENS, config, hooks)[0, -1, target]
 
     def patched(delta):  # delta [T, H, K] added to layer 1's z
-        return gpt2_jax.run_with_hooks(params, TOKENS, config, {"blocks.1.attn.hook_z": lambda z: z + delta})[0, -1, target]
+        return gpt2_jax.run_with_hooks(params, TOKENS, config, {"blocks.1.attn.hook_z": lambda z: z + delta})[
+            0, -1, target
+        ]
 
     # jitted once each: the value at the finite-difference points comes from the same compiled program
     steered, patched = jax.jit(jax.value_and_grad(steered)), jax.jit(jax.value_and_grad(patched))
@@ -172,7 +174,9 @@ def test_gradient_through_a_hook_matches_finite_differences(model):
     assert grad == pytest.approx(fd, rel=1e-2) and abs(grad) > 1e-2
     delta = jnp.zeros((12, config.n_head, config.head_dim))
     g = np.asarray(patched(delta)[1])
-    assert np.abs(g[-1]).max() > 0 and not g[:-1].any()  # the last block's z at t < T-1: no attention after it carries it to T-1
+    assert (
+        np.abs(g[-1]).max() > 0 and not g[:-1].any()
+    )  # the last block's z at t < T-1: no attention after it carries it to T-1
     e = jnp.zeros_like(delta).at[-1, 2, 5].set(h)
     fd = (float(patched(delta + e)[0]) - float(patched(delta - e)[0])) / (2 * h)
     assert g[-1, 2, 5] == pytest.approx(fd, rel=1e-2)
@@ -209,9 +213,13 @@ def test_hooks_on_a_mesh(model, our_run):
 
 def test_bad_input_is_a_clear_error(model):
     _, _, params, config = model
-    with pytest.raises(InputError, match=r"unknown hook name 'blocks.0.hook_resid_pree'; close matches: blocks.0.hook_resid_pre"):
+    with pytest.raises(
+        InputError, match=r"unknown hook name 'blocks.0.hook_resid_pree'; close matches: blocks.0.hook_resid_pre"
+    ):
         gpt2_jax.run_with_hooks(params, TOKENS, config, {"blocks.0.hook_resid_pree": lambda x: x})
-    with pytest.raises(InputError, match=r"'blocks.2.attn.hook_z'; close matches: blocks.1.attn.hook_z, blocks.0.attn.hook_z"):
+    with pytest.raises(
+        InputError, match=r"'blocks.2.attn.hook_z'; close matches: blocks.1.attn.hook_z, blocks.0.attn.hook_z"
+    ):
         gpt2_jax.run_with_cache(params, TOKENS, config, names=["blocks.2.attn.hook_z"])  # 2 layers: 0 and 1
     with pytest.raises(InputError, match=r"hook 'blocks.1.hook_mlp_out' returned shape \(2, 12, 1\), but the "
                                          r"activation has shape \(2, 12, 48\)"):  # fmt: skip
@@ -298,7 +306,7 @@ def test_forward_cached_takes_hooks_under_jit(model):
     first, cache1 = step(params, prompt, cache, config, hooks=hooks)
     steps = [first]
     for t in range(rest.shape[1]):
-        out, cache1 = step(params, rest[:, t:t + 1], cache1, config, hooks=hooks)
+        out, cache1 = step(params, rest[:, t : t + 1], cache1, config, hooks=hooks)
         steps.append(out)
     steered = np.concatenate([np.asarray(s) for s in steps], axis=1)
     whole = np.asarray(gpt2_jax.run_with_hooks(params, TOKENS, config, hooks))

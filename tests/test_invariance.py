@@ -96,10 +96,10 @@ def test_forward_rows_and_prefixes_are_bit_identical(model):
     seqs = rng.integers(0, config.vocab_size, (3, 40))
     together = np.asarray(gpt2_jax.forward(params, seqs, config))
     for b in range(3):
-        alone = np.asarray(gpt2_jax.forward(params, seqs[b:b + 1], config))[0]
+        alone = np.asarray(gpt2_jax.forward(params, seqs[b : b + 1], config))[0]
         np.testing.assert_array_equal(bits(alone), bits(together[b]))
         for T in (1, 2, 17):  # a prefix: its logits are those of the longer sequence's first T positions
-            prefix = np.asarray(gpt2_jax.forward(params, seqs[b:b + 1, :T], config))[0]
+            prefix = np.asarray(gpt2_jax.forward(params, seqs[b : b + 1, :T], config))[0]
             np.testing.assert_array_equal(bits(prefix), bits(together[b, :T]))
 
 
@@ -116,7 +116,7 @@ def test_transformers_cached_decode_is_not_bit_identical_to_its_forward(model):
             out = hf(token, past_key_values=past, use_cache=True)
             past = out.past_key_values
             step_logits.append(out.logits[0, -1].numpy())
-    full = hf_logits(hf, np.array([tokens]))[0, len(PROMPTS[2]):]
+    full = hf_logits(hf, np.array([tokens]))[0, len(PROMPTS[2]) :]
     differ = np.abs(np.stack(step_logits) - full)
     assert (bits(np.stack(step_logits)) != bits(full)).any()  # not the same bits ...
     assert differ.max() < 1e-4  # ... though numerically close

@@ -171,7 +171,7 @@ def test_chain_is_one_fused_multiply_add_chain_per_output_for_any_row_count(K, N
     assert (bits(full) != bits(rowdot(x, w.T.copy()))).any()  # a different arithmetic from rowdot's
     for M in (1, 2, 5, 6, 7, 13):
         for start in (0, 3):
-            assert (bits(f(x[start:start + M], w)) == bits(full[start:start + M])).all(), (M, start)
+            assert (bits(f(x[start : start + M], w)) == bits(full[start : start + M])).all(), (M, start)
 
 
 def test_ends_skip_work_without_changing_any_needed_output():
@@ -185,7 +185,10 @@ def test_ends_skip_work_without_changing_any_needed_output():
     needed = np.arange(S) < ends[..., None]
     weights = np.where(needed, rng.random((B, T, S), np.float32), 0.0).astype(np.float32)
     values = rng.standard_normal((B, S, K), np.float32)
-    for kernel, kt, v in ((chain, np.swapaxes(keys, 1, 2).copy(), values), (rowdot, keys, np.swapaxes(values, 1, 2).copy())):
+    for kernel, kt, v in (
+        (chain, np.swapaxes(keys, 1, 2).copy(), values),
+        (rowdot, keys, np.swapaxes(values, 1, 2).copy()),
+    ):
         scores = np.asarray(jax.jit(lambda a, b, e: kernel(a, b, out_ends=e))(q, kt, ends))
         assert (bits(scores[needed]) == bits(np.asarray(kernel(q, kt))[needed])).all()
         assert (scores[~needed] == 0).all() and needed.sum() > 0 and (~needed).sum() > 0

@@ -105,8 +105,14 @@ def test_a_drawn_seed_is_process_0s_everywhere(model):
                                 f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)])  # fmt: skip
     seed = re.search(r"seed (\d+); --seed \1 reproduces this", p0.stderr)
     assert seed, p0.stderr[-2000:]
-    single = subprocess.run([sys.executable, "-m", "gpt2_jax", *args, "--seed", seed.group(1)], cwd=ROOT,
-                            capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=300)
+    single = subprocess.run(
+        [sys.executable, "-m", "gpt2_jax", *args, "--seed", seed.group(1)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        timeout=300,
+    )
     assert single.returncode == 0 and single.stdout == p0.stdout  # both rows sampled with process 0's seed
 
 
@@ -132,6 +138,9 @@ def test_training_across_two_processes_matches_one_and_resumes(tmp_path):
     np.testing.assert_allclose([v for _, v in two["val"]], [v for _, v in one["val"]], rtol=1e-5)
     # The saved models compute the same function. (Not every weight to 1e-5: where a gradient is ~0,
     # AdamW's division by sqrt(v) turns rounding noise into updates of up to lr.)
-    (params_one, _), (params_two, _) = gpt2_jax.load(tmp_path / "one" / "model"), gpt2_jax.load(tmp_path / "two" / "model")
+    (params_one, _), (params_two, _) = (
+        gpt2_jax.load(tmp_path / "one" / "model"),
+        gpt2_jax.load(tmp_path / "two" / "model"),
+    )
     assert rel_err(gpt2_jax.forward(params_two, TOKENS, config), gpt2_jax.forward(params_one, TOKENS, config)) <= 1e-4
     assert sorted(p.name for p in (tmp_path / "two").iterdir() if p.name.startswith(".")) == []  # no temp dirs left

@@ -27,9 +27,16 @@ SHAPES = {
     "1-layer-1-head": dict(n_layer=1, n_head=1, n_embd=32, vocab_size=64, n_positions=32),
     "odd-heads-vocab101": dict(n_layer=2, n_head=3, n_embd=48, vocab_size=101, n_positions=64),
     "5-heads-vocab257-ninner": dict(n_layer=3, n_head=5, n_embd=80, vocab_size=257, n_positions=40, n_inner=100),
-    "inverse-layer-idx-upcast": dict(n_layer=3, n_head=2, n_embd=32, vocab_size=77, n_positions=24,
-                                     scale_attn_by_inverse_layer_idx=True, reorder_and_upcast_attn=True,
-                                     attn_implementation="eager"),
+    "inverse-layer-idx-upcast": dict(
+        n_layer=3,
+        n_head=2,
+        n_embd=32,
+        vocab_size=77,
+        n_positions=24,
+        scale_attn_by_inverse_layer_idx=True,
+        reorder_and_upcast_attn=True,
+        attn_implementation="eager",
+    ),
 }
 
 WRITERS = {
@@ -51,7 +58,9 @@ def check_parity(params, config, model, T=None):
     tokens = random_tokens(model.config.vocab_size, (2, T), seed=T)
     exact = exact_logits(model, tokens)
     err = rel_err(gpt2_jax.forward(params, tokens, config), exact)
-    assert err <= TOL, f"relative max error {err:.2e} > {TOL} (transformers' fp32: {rel_err(hf_logits(model, tokens), exact):.2e})"
+    assert err <= TOL, (
+        f"relative max error {err:.2e} > {TOL} (transformers' fp32: {rel_err(hf_logits(model, tokens), exact):.2e})"
+    )
     return err
 
 
@@ -125,8 +134,9 @@ def test_nanogpt_parity(bias, compiled, tmp_path):
 
 
 def test_nanogpt_padded_vocab(tmp_path):
-    model = make_hf_model(seed=5, activation_function="gelu", n_layer=1, n_head=2, n_embd=32, vocab_size=50304,
-                          n_positions=16)
+    model = make_hf_model(
+        seed=5, activation_function="gelu", n_layer=1, n_head=2, n_embd=32, vocab_size=50304, n_positions=16
+    )
     ckpt = save_nanogpt(model, tmp_path / "ckpt.pt")
     params, config = gpt2_jax.load(ckpt)
     assert config.vocab_size == 50304 and config.valid_vocab == 50257

@@ -54,7 +54,8 @@ def test_int8_generates_alike_on_one_device_and_a_mesh(model):
     one = generate(q, config, prompts, jax.random.key(1), max_new_tokens=10, temperature=0.0, eos_id=None)
     sharded = shard_params(q, config, make_mesh(2, 4))
     assert {s.data.shape for s in sharded["h"][0]["attn"]["c_attn"]["scale"].addressable_shards} == {
-        (3, config.n_embd // 4)}  # the scales split with their outputs
+        (3, config.n_embd // 4)
+    }  # the scales split with their outputs
     many = generate(sharded, config, prompts, jax.random.key(1), max_new_tokens=10, temperature=0.0, eos_id=None)
     np.testing.assert_array_equal(many.tokens, one.tokens)
     fp32 = generate(params, config, prompts, jax.random.key(1), max_new_tokens=10, temperature=0.0, eos_id=None)

@@ -38,7 +38,7 @@ def hf_greedy(model, prompt, n, **kw):
     kw.setdefault("eos_token_id", None)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
                          pad_token_id=0, **kw)  # fmt: skip
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 def ours_greedy(params, config, **kw):
@@ -203,7 +203,7 @@ def test_top_logprobs_are_the_raw_distributions_most_likely(model_and_params):
     assert out.top_ids.shape == (2, 8, 5) and out.top_logprobs.shape == (2, 8, 5)
     for b, prompt in enumerate(PROMPTS[:2]):
         seq = [prompt + out.tokens[b].tolist()]
-        ref = torch.log_softmax(torch.tensor(hf_logits(model, seq)[0]), -1).numpy()[len(prompt) - 1:][:8]
+        ref = torch.log_softmax(torch.tensor(hf_logits(model, seq)[0]), -1).numpy()[len(prompt) - 1 :][:8]
         order = np.argsort(-ref, axis=-1, kind="stable")[:, :5]
         np.testing.assert_array_equal(out.top_ids[b], order)
         np.testing.assert_allclose(out.top_logprobs[b], np.take_along_axis(ref, order, -1), atol=1e-5)

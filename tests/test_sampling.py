@@ -322,7 +322,11 @@ def assert_draws_follow_probs(logits, t, k, p, n=20000, seed=0, n_valid=None) ->
     expected = probs(logits, t, k, p, n_valid)
     rows = lambda x: np.tile(np.broadcast_to(np.asarray(x), (b,)), n)
     tokens = sample(
-        jax.random.key(seed), np.tile(logits, (n, 1)), temperature=rows(t), top_k=rows(k), top_p=rows(p),
+        jax.random.key(seed),
+        np.tile(logits, (n, 1)),
+        temperature=rows(t),
+        top_k=rows(k),
+        top_p=rows(p),
         n_valid=n_valid,
     )
     tokens = np.asarray(tokens).reshape(n, b)

@@ -314,13 +314,14 @@ def test_echo_and_prompt_logprobs(server, model):
     lp = resp["logprobs"]
     assert lp["tokens"] == [enc.decode([t]) for t in ids] + first["logprobs"]["tokens"]
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
-    assert bits(lp["token_logprobs"][len(ids):]) == bits(first["logprobs"]["token_logprobs"])
+    assert bits(lp["token_logprobs"][len(ids) :]) == bits(first["logprobs"]["token_logprobs"])
     # scoring the generated text (max_tokens 0) gives its logprobs again, from one forward pass
     full = ids + expected(model, ids, 2, 0, 6).tokens
     scored = plain(client.completions.create(model=MODEL, prompt=full, max_tokens=0, echo=True, logprobs=0))[0]
     assert scored["finish_reason"] == "length" and scored["text"] == enc.decode(full)
-    np.testing.assert_allclose(scored["logprobs"]["token_logprobs"][len(ids):], first["logprobs"]["token_logprobs"],
-                               atol=1e-2)  # fmt: skip (bfloat16 weights: the K/V cache rounds)
+    np.testing.assert_allclose(
+        scored["logprobs"]["token_logprobs"][len(ids) :], first["logprobs"]["token_logprobs"], atol=1e-2
+    )  # fmt: skip (bfloat16 weights: the K/V cache rounds)
 
 
 def test_constrained_output(server, model):

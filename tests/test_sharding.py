@@ -152,8 +152,11 @@ def _train_both(params, config, mesh_shape, optimizer, steps=2):
     return one, many, metrics
 
 
-@pytest.mark.parametrize("vocab, mesh_shape", [(101, (8, 1)), (128, (2, 4))],
-                         ids=["wte-replicated-data8xmodel1", "wte-vocab-split-data2xmodel4"])
+@pytest.mark.parametrize(
+    "vocab, mesh_shape",
+    [(101, (8, 1)), (128, (2, 4))],
+    ids=["wte-replicated-data8xmodel1", "wte-vocab-split-data2xmodel4"],
+)
 def test_sharded_train_step_matches_one_device(models, vocab, mesh_shape):
     _, params, config = models[vocab]
     config = config.replace(embd_pdrop=0.1, attn_pdrop=0.1, resid_pdrop=0.1)  # dropout masks must agree too
@@ -198,8 +201,19 @@ def test_a_huggingface_directory_loads_into_a_mesh(model, tmp_path):
 def test_cli_mesh_prints_the_same_text(tmp_path, capsys):
     model = make_hf_model(seed=62, n_layer=1, n_head=4, n_embd=32, vocab_size=50257, n_positions=64)
     model.save_pretrained(tmp_path / "hf")
-    args = ["generate", "--model", str(tmp_path / "hf"), "--prompt", "To be", "--max-new-tokens", "10", "--top-k", "40",
-            "--seed", "0"]  # the same seed in each run
+    args = [
+        "generate",
+        "--model",
+        str(tmp_path / "hf"),
+        "--prompt",
+        "To be",
+        "--max-new-tokens",
+        "10",
+        "--top-k",
+        "40",
+        "--seed",
+        "0",
+    ]  # the same seed in each run
     assert main([*args, "--num-samples", "3"]) == 0
     plain = capsys.readouterr().out
     assert main([*args, "--num-samples", "3", "--mesh", "data=2,model=4"]) == 0  # 3 rows on 2 data slices

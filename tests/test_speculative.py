@@ -35,18 +35,32 @@ def drafts(target):
     random model, and a model whose logits always put NEVER first. The three models share the target's
     shape, so they share one compiled program."""
     _, params, config = target
-    wrong = dict(params, wte=jnp.zeros_like(params["wte"]).at[NEVER].set(1.0),
-                 ln_f={"weight": jnp.zeros_like(params["ln_f"]["weight"]), "bias": jnp.ones_like(params["ln_f"]["bias"])})
-    return {"lookup": "prompt_lookup", "perfect": (params, config),
-            "unrelated": (init_params(jax.random.key(7), config), config), "wrong": (wrong, config)}
+    wrong = dict(
+        params,
+        wte=jnp.zeros_like(params["wte"]).at[NEVER].set(1.0),
+        ln_f={"weight": jnp.zeros_like(params["ln_f"]["weight"]), "bias": jnp.ones_like(params["ln_f"]["bias"])},
+    )
+    return {
+        "lookup": "prompt_lookup",
+        "perfect": (params, config),
+        "unrelated": (init_params(jax.random.key(7), config), config),
+        "wrong": (wrong, config),
+    }
 
 
 SETTINGS = {
     "greedy": dict(temperature=0.0),
     "sampled": dict(temperature=1.0),
     "warped": dict(temperature=0.7, top_k=12, top_p=0.9, min_p=0.05),
-    "processors": dict(temperature=0.9, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.3,
-                       no_repeat_ngram_size=3, min_new_tokens=5, logit_bias={4: 2.0}),
+    "processors": dict(
+        temperature=0.9,
+        repetition_penalty=1.3,
+        presence_penalty=0.5,
+        frequency_penalty=0.3,
+        no_repeat_ngram_size=3,
+        min_new_tokens=5,
+        logit_bias={4: 2.0},
+    ),
     "per-row": dict(temperature=[0.0, 1.0, 0.5], top_p=[1.0, 0.8, 0.95], repetition_penalty=[1.0, 1.2, 1.5]),
 }
 
@@ -122,7 +136,11 @@ def test_stop_strings_top_logprobs_and_stream(target):
     assert "stop" in plain.finish_reason
     args = dict(max_new_tokens=N, temperature=0.0, eos_id=int(plain.tokens[1, 4]), stop=["3"], tokenizer=tok)
     a = list(generate_stream(params, config, PROMPTS, jax.random.key(3), **args))
-    b = list(generate_stream(params, config, PROMPTS, jax.random.key(3), draft="prompt_lookup", num_speculative_tokens=K, **args))
+    b = list(
+        generate_stream(
+            params, config, PROMPTS, jax.random.key(3), draft="prompt_lookup", num_speculative_tokens=K, **args
+        )
+    )
     assert len(a) == len(b) and all((x[0] == y[0]).all() and (x[1] == y[1]).all() for x, y in zip(a, b))
 
 

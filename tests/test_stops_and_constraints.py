@@ -47,9 +47,9 @@ def pick(bundled, inside: bool):
     for i in range(3, N):
         (s0, e0), (s1, e1) = spans[i - 1], spans[i]
         if inside and e1 - s1 >= 3:
-            stop = data[s1:s1 + 2]
+            stop = data[s1 : s1 + 2]
         elif not inside and e0 - s0 >= 2 and e1 - s1 >= 2:
-            stop = data[e0 - 2:s1 + 2]
+            stop = data[e0 - 2 : s1 + 2]
         else:
             continue
         try:
@@ -163,8 +163,12 @@ def test_a_constraint_wins_over_min_new_tokens(bundled):
 
 def test_constrained_and_free_rows_in_one_batch_equal_each_row_alone(bundled):
     params, config, enc, prompt, _ = bundled
-    rows = [constraints.regex(r"[A-Z][a-z]+, [a-z]+\."), None, constraints.choice(["aye", "nay"]),
-            constraints.json_schema({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})]
+    rows = [
+        constraints.regex(r"[A-Z][a-z]+, [a-z]+\."),
+        None,
+        constraints.choice(["aye", "nay"]),
+        constraints.json_schema({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}),
+    ]
     keys = jax.random.split(jax.random.key(4), 4)
     batch = generate(params, config, [prompt] * 4, keys, max_new_tokens=20, constraint=rows, return_logprobs=True,
                      repetition_penalty=[1.0, 1.3, 1.0, 1.1])  # fmt: skip

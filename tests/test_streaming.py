@@ -95,7 +95,9 @@ def test_cast_while_streaming_rounds_as_torch_does(tmp_path, fmt):
         assert a.dtype == jnp.bfloat16 and a.shape == b.shape
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b).astype(jnp.bfloat16))
     torch_bf16 = model.transformer.h[1].mlp.c_fc.weight.detach().to(torch.bfloat16).float().numpy()
-    np.testing.assert_array_equal(np.asarray(params["h"][1]["mlp"]["c_fc"]["weight"], np.float32).T, torch_bf16)  # [out, in]
+    np.testing.assert_array_equal(
+        np.asarray(params["h"][1]["mlp"]["c_fc"]["weight"], np.float32).T, torch_bf16
+    )  # [out, in]
 
 
 @pytest.mark.parametrize("fmt", ["jax", "nano"])

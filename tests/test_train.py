@@ -33,8 +33,9 @@ def hf_and_ours(tmp_path_factory):
 def torch_grads(model, tokens):
     model.zero_grad()
     logits = model(torch.as_tensor(tokens[:, :-1], dtype=torch.long)).logits
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                             torch.as_tensor(tokens[:, 1:], dtype=torch.long).reshape(-1))
+    loss = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), torch.as_tensor(tokens[:, 1:], dtype=torch.long).reshape(-1)
+    )
     loss.backward()
     return float(loss.detach()), {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
 
@@ -87,12 +88,16 @@ def test_fused_head_matches_numpy(B, T):
     d[np.arange(n), targets.reshape(-1)] -= 1.0
     d /= n
     ours, (dh, dwte) = jax.value_and_grad(head_loss, argnums=(0, 1))(
-        jnp.asarray(h, jnp.float32), jnp.asarray(wte, jnp.float32), jnp.asarray(targets, jnp.int32))
+        jnp.asarray(h, jnp.float32), jnp.asarray(wte, jnp.float32), jnp.asarray(targets, jnp.int32)
+    )
     assert abs(float(ours) - loss) / loss <= 1e-6
     assert rel_err(dh, (d @ wte).reshape(B, T, 48)) <= 1e-5
     assert rel_err(dwte, d.T @ h.reshape(-1, 48)) <= 1e-5
-    assert float(jax.grad(lambda h: 3.0 * head_loss(h, jnp.asarray(wte, jnp.float32), jnp.asarray(targets)))(
-        jnp.asarray(h, jnp.float32))[0, 0, 0]) == pytest.approx(3.0 * float(dh[0, 0, 0]), rel=1e-6)  # chain rule
+    assert float(
+        jax.grad(lambda h: 3.0 * head_loss(h, jnp.asarray(wte, jnp.float32), jnp.asarray(targets)))(
+            jnp.asarray(h, jnp.float32)
+        )[0, 0, 0]
+    ) == pytest.approx(3.0 * float(dh[0, 0, 0]), rel=1e-6)  # chain rule
 
 
 @pytest.mark.parametrize("rate", [0.1, 0.5])
@@ -236,8 +241,26 @@ def test_train_on_a_mesh_matches_one_device_and_resumes(data_dir, tmp_path, caps
 
 def test_train_cli_and_fine_tune(data_dir, tmp_path, capsys):
     cfg = json.dumps(TINY.to_dict())
-    args = ["train", "--data", str(data_dir), "--config", cfg, "--out", str(tmp_path / "a"), "--steps", "4",
-            "--batch-size", "2", "--block-size", "16", "--warmup", "1", "--eval-every", "2", "--no-progress"]
+    args = [
+        "train",
+        "--data",
+        str(data_dir),
+        "--config",
+        cfg,
+        "--out",
+        str(tmp_path / "a"),
+        "--steps",
+        "4",
+        "--batch-size",
+        "2",
+        "--block-size",
+        "16",
+        "--warmup",
+        "1",
+        "--eval-every",
+        "2",
+        "--no-progress",
+    ]
     assert main(args) == 0
     assert "val loss" in capsys.readouterr().err
     assert main(["train", "--data", str(data_dir), "--init", str(tmp_path / "a" / "model"), "--out",
@@ -252,14 +275,18 @@ def test_train_cli_and_fine_tune(data_dir, tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0 and out.startswith("to be")
     # The run directory itself loads its model/; a training checkpoint (no config) is an error naming model/.
-    code = main(["generate", "--model", str(tmp_path / "b"), "--prompt", "to be", "--max-new-tokens", "5", "--seed", "0"])
+    code = main(
+        ["generate", "--model", str(tmp_path / "b"), "--prompt", "to be", "--max-new-tokens", "5", "--seed", "0"]
+    )
     assert code == 0 and capsys.readouterr().out == out
     history = json.loads((tmp_path / "a" / "history.json").read_text())
     assert history["first_step_s"] > 0 and history["tokens_per_s"] > 0
     code = main(["generate", "--model", str(tmp_path / "a" / "checkpoints" / "4"), "--prompt", "x"])
     err = capsys.readouterr().err.strip()
-    assert code == 2 and err == (f"error: {tmp_path / 'a' / 'checkpoints' / '4'}: a training checkpoint (params + "
-                                 f"optimizer state, no config); load the run's final model: --model {tmp_path / 'a' / 'model'}")
+    assert code == 2 and err == (
+        f"error: {tmp_path / 'a' / 'checkpoints' / '4'}: a training checkpoint (params + "
+        f"optimizer state, no config); load the run's final model: --model {tmp_path / 'a' / 'model'}"
+    )
 
 
 def test_bad_training_input(data_dir, tmp_path, capsys):
@@ -290,8 +317,12 @@ def test_bad_training_input(data_dir, tmp_path, capsys):
          "not a prepared data directory"),
     ]  # fmt: skip
     (tmp_path / "file").write_text("not a directory")
-    cases.append(([*cfg, "--data", str(data_dir), "--block-size", "16", "--out", str(tmp_path / "file" / "out")],
-                  "is not writable"))
+    cases.append(
+        (
+            [*cfg, "--data", str(data_dir), "--block-size", "16", "--out", str(tmp_path / "file" / "out")],
+            "is not writable",
+        )
+    )
     for extra, message in cases:
         assert main(base + extra) == 2
         err = capsys.readouterr().err.strip()
@@ -318,8 +349,22 @@ def test_init_config_mismatch(data_dir, tmp_path, capsys):
                  "--no-progress"]) == 0  # fmt: skip
     capsys.readouterr()
     other = TINY.replace(n_embd=64)
-    code = main(["train", "--data", str(data_dir), "--config", json.dumps(other.to_dict()), "--init",
-                 str(tmp_path / "a" / "model"), "--out", str(tmp_path / "b"), "--steps", "1", "--no-progress"])
+    code = main(
+        [
+            "train",
+            "--data",
+            str(data_dir),
+            "--config",
+            json.dumps(other.to_dict()),
+            "--init",
+            str(tmp_path / "a" / "model"),
+            "--out",
+            str(tmp_path / "b"),
+            "--steps",
+            "1",
+            "--no-progress",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "--config does not match --init" in err and "'n_embd': (64, 32)" in err
 
@@ -331,8 +376,10 @@ def test_bundled_model_predicts_shakespeare():
 
     params, config = gpt2_jax.load(BUNDLED_MODEL)
     enc = gpt2_jax.tokenizer()
-    text = ("ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet is the sun. "
-            "Arise, fair sun, and kill the envious moon, who is already sick and pale with grief.")
+    text = (
+        "ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet is the sun. "
+        "Arise, fair sun, and kill the envious moon, who is already sick and pale with grief."
+    )
     tokens = jnp.asarray([enc.encode(text)], jnp.int32)
     loss = float(loss_fn(params, tokens, config))
     uniform = float(np.log(50257))

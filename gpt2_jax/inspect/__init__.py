@@ -1,10 +1,10 @@
 """Look inside GPT-2: capture and edit any activation under TransformerLens's hook names.
 
-  run_with_cache(params, tokens, config, names=None) -> (logits, {name: activation})
-  run_with_hooks(params, tokens, config, hooks={name: fn}) -> logits (differentiable, vmappable)
-  hooks({name: fn}) -> Hooks: the hashable form that model.forward_cached (generation) takes
-  hook_names(config): every name, in forward order
-  logit_lens, accumulated_resid, direct_logit_attribution, activation_patching: tools on top
+run_with_cache(params, tokens, config, names=None) -> (logits, {name: activation})
+run_with_hooks(params, tokens, config, hooks={name: fn}) -> logits (differentiable, vmappable)
+hooks({name: fn}) -> Hooks: the hashable form that model.forward_cached (generation) takes
+hook_names(config): every name, in forward order
+logit_lens, accumulated_resid, direct_logit_attribution, activation_patching: tools on top
 """
 
 from gpt2_jax.inspect.hooks import BLOCK_POINTS, Hooks, hook_names, hooks

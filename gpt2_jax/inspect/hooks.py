@@ -43,7 +43,7 @@ def hook_names(config: GPT2Config) -> tuple[str, ...]:
 
 
 def split_name(name: str) -> tuple[int | None, str]:
-    """"blocks.3.attn.hook_z" -> (3, "attn.hook_z"); "hook_embed" -> (None, "hook_embed")."""
+    """ "blocks.3.attn.hook_z" -> (3, "attn.hook_z"); "hook_embed" -> (None, "hook_embed")."""
     m = _BLOCK_NAME.fullmatch(name)
     return (int(m.group(1)), m.group(2)) if m else (None, name)
 
@@ -67,8 +67,12 @@ def check_names(names: Iterable[str], config: GPT2Config) -> None:
     for name in names:
         if not isinstance(name, str) or name not in known:
             close = difflib.get_close_matches(str(name), valid, n=5, cutoff=0.6)
-            hint = f"close matches: {', '.join(close)}" if close else f"names look like {valid[0]!r}, " \
+            hint = (
+                f"close matches: {', '.join(close)}"
+                if close
+                else f"names look like {valid[0]!r}, "
                 f"'blocks.0.attn.hook_pattern', {valid[-1]!r} (layers 0..{config.n_layer - 1})"
+            )
             raise InputError(f"unknown hook name {name!r}; {hint}")
 
 

@@ -93,8 +93,9 @@ def _term(x: jax.Array, scale: jax.Array, direction: jax.Array) -> jax.Array:
     return jnp.sum((x - x.mean(-1, keepdims=True)) / scale * direction, axis=-1)
 
 
-def direct_logit_attribution(params: Params, cache: Mapping[str, jax.Array], config: GPT2Config,
-                             target, position: int = -1) -> Attribution:
+def direct_logit_attribution(
+    params: Params, cache: Mapping[str, jax.Array], config: GPT2Config, target, position: int = -1
+) -> Attribution:
     """The logit of token `target` (an id, or [B] ids) at `position`, split into the direct
     contribution of the embeddings and of each block's attention and MLP output (cache from
     run_with_cache, with at least dla_names(config)). Each term is that output read through the
@@ -112,8 +113,13 @@ def direct_logit_attribution(params: Params, cache: Mapping[str, jax.Array], con
     def per_block(point: str) -> jax.Array:
         return jnp.stack([term(f"blocks.{l}.{point}") for l in range(config.n_layer)], axis=-1)
 
-    return Attribution(term("hook_embed"), term("hook_pos_embed"), per_block("hook_attn_out"),
-                       per_block("hook_mlp_out"), _bias_term(params, target))
+    return Attribution(
+        term("hook_embed"),
+        term("hook_pos_embed"),
+        per_block("hook_attn_out"),
+        per_block("hook_mlp_out"),
+        _bias_term(params, target),
+    )
 
 
 def _bias_term(params: Params, target: jax.Array) -> jax.Array:

@@ -58,8 +58,16 @@ def patch_at(clean: jax.Array, layer: int, target_layer: jax.Array, position: ja
     return edit
 
 
-def patched_metric(params: Params, corrupt: jax.Array, config: GPT2Config, metric: Metric, point: str,
-                   clean: jax.Array, layer: jax.Array, position: jax.Array) -> jax.Array:
+def patched_metric(
+    params: Params,
+    corrupt: jax.Array,
+    config: GPT2Config,
+    metric: Metric,
+    point: str,
+    clean: jax.Array,
+    layer: jax.Array,
+    position: jax.Array,
+) -> jax.Array:
     """The metric of the corrupt run with clean [L, ...] put back at `point` of block `layer`, `position`.
     Every block gets the hook (the target layer is traced); only the target's changes anything."""
     axis = position_axis(point)
@@ -69,8 +77,9 @@ def patched_metric(params: Params, corrupt: jax.Array, config: GPT2Config, metri
 
 
 @functools.partial(jax.jit, static_argnames=("config", "metric", "points"))
-def _patching(params: Params, clean: jax.Array, corrupt: jax.Array, config: GPT2Config, metric: Metric,
-              points: tuple[str, ...]) -> Patching:
+def _patching(
+    params: Params, clean: jax.Array, corrupt: jax.Array, config: GPT2Config, metric: Metric, points: tuple[str, ...]
+) -> Patching:
     L, T = config.n_layer, clean.shape[1]
     record = tuple(f"blocks.{l}.{p}" for p in points for l in range(L))
     clean_logits, acts = traced(params, clean, config, Hooks(), record)
@@ -82,8 +91,9 @@ def _patching(params: Params, clean: jax.Array, corrupt: jax.Array, config: GPT2
     return Patching(patched, metric(clean_logits), metric(traced(params, corrupt, config)[0]))
 
 
-def activation_patching(params: Params, clean, corrupt, config: GPT2Config, metric: Metric,
-                        names: str | Sequence[str] = "hook_resid_pre") -> Patching:
+def activation_patching(
+    params: Params, clean, corrupt, config: GPT2Config, metric: Metric, names: str | Sequence[str] = "hook_resid_pre"
+) -> Patching:
     """For each block point in `names` ("hook_resid_pre", "hook_attn_out", "hook_mlp_out", "attn.hook_z",
     ... : hook names without "blocks.{l}."), the [L, T] grid of metric(logits) when the corrupt run
     gets that point's clean value back at one layer and one position (every row of the batch at once).
@@ -100,4 +110,3 @@ def activation_patching(params: Params, clean, corrupt, config: GPT2Config, metr
         raise InputError(f"clean {tuple(clean.shape)} and corrupt {tuple(corrupt.shape)} token ids must have one shape")
     with on_mesh(mesh_of(params)):
         return _patching(params, clean, corrupt, config, metric, points)
-

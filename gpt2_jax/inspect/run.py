@@ -17,8 +17,9 @@ from gpt2_jax.sharding import mesh_of, on_mesh
 NO_EDITS = Hooks()  # the empty edit set (hashable: a static jit argument)
 
 
-def traced(params: Params, tokens: jax.Array, config: GPT2Config, edits: Hooks = NO_EDITS,
-           record: tuple[str, ...] = ()) -> tuple[jax.Array, dict[str, jax.Array]]:
+def traced(
+    params: Params, tokens: jax.Array, config: GPT2Config, edits: Hooks = NO_EDITS, record: tuple[str, ...] = ()
+) -> tuple[jax.Array, dict[str, jax.Array]]:
     """tokens [B, T] -> (logits [B, T, V], {name: activation}), unjitted: for use inside a caller's own
     jit, vmap or grad (the tools here build on it)."""
     tap = Tap(edits, record, config)
@@ -35,8 +36,9 @@ def _prepared(tokens, config: GPT2Config) -> jax.Array:
     return jnp.asarray(tokens, jnp.int32)
 
 
-def run_with_cache(params: Params, tokens, config: GPT2Config, names=None,
-                   hooks=None) -> tuple[jax.Array, dict[str, jax.Array]]:
+def run_with_cache(
+    params: Params, tokens, config: GPT2Config, names=None, hooks=None
+) -> tuple[jax.Array, dict[str, jax.Array]]:
     """tokens int [B, T] -> (logits [B, T, V], cache): cache maps TransformerLens hook names to the
     activations there, in forward order. names: None (every point), one name, a list of exact names,
     or a predicate name -> bool; only those are kept (and held in memory). hooks ({name: fn}, as in

@@ -84,12 +84,12 @@ def available() -> str | None:
 def fits(*operands) -> bool:
     """Whether a product of these operands runs in the kernels: all float32, the extension built for this
     CPU, and no mesh (XLA cannot split a custom call; a sharded product is XLA's)."""
-    return (available() is not None and jax.sharding.get_abstract_mesh().empty
-            and all(a.dtype == F32 for a in operands))
+    return available() is not None and jax.sharding.get_abstract_mesh().empty and all(a.dtype == F32 for a in operands)
 
 
-def rowdot(x: jax.Array, w: jax.Array | Entry, *, out_ends: jax.Array | None = None,
-           in_ends: jax.Array | None = None) -> jax.Array:
+def rowdot(
+    x: jax.Array, w: jax.Array | Entry, *, out_ends: jax.Array | None = None, in_ends: jax.Array | None = None
+) -> jax.Array:
     """x [..., M, I] float32 @ w [..., N, I].T float32 -> [..., M, N] float32, each output rounded the same
     way for any M. w is 2-D (shared by every leading index of x) or has x's leading dims; an Entry is
     read in place (not differentiable: it serves the KV cache).
@@ -103,8 +103,9 @@ def rowdot(x: jax.Array, w: jax.Array | Entry, *, out_ends: jax.Array | None = N
     return _product(False, x, w, out_ends, in_ends)
 
 
-def chain(x: jax.Array, w: jax.Array | Entry, *, out_ends: jax.Array | None = None,
-          in_ends: jax.Array | None = None) -> jax.Array:
+def chain(
+    x: jax.Array, w: jax.Array | Entry, *, out_ends: jax.Array | None = None, in_ends: jax.Array | None = None
+) -> jax.Array:
     """x [..., M, I] float32 @ w [..., I, N] float32 -> [..., M, N] float32, each output one fused
     multiply-add chain over i in order (acc = fma(x[m, i], w[i, n], acc)), so rounded the same way for
     any M. Otherwise as rowdot (w's layout aside)."""

@@ -1,10 +1,10 @@
 """Next-token sampling: logits processors, then temperature, top-k, top-p and min-p, then one keyed draw per row.
 
-  processors.py the logits processors (bias, penalties, banned n-grams/words, min new tokens) and their order
-  options.py   their host-side checks and per-row packing; process_logits
-  settings.py  RowSettings (one traced value per row), validation, row keys
-  filters.py   the reference: apply_temperature, top_k_mask, top_p_mask, filter_logits, next_token_probs
-  draw.py      the fast per-row programs (reusing those masks) and the path-independent inverse-CDF draw
+processors.py the logits processors (bias, penalties, banned n-grams/words, min new tokens) and their order
+options.py   their host-side checks and per-row packing; process_logits
+settings.py  RowSettings (one traced value per row), validation, row keys
+filters.py   the reference: apply_temperature, top_k_mask, top_p_mask, filter_logits, next_token_probs
+draw.py      the fast per-row programs (reusing those masks) and the path-independent inverse-CDF draw
 """
 
 from gpt2_jax.sampling.draw import (

@@ -155,8 +155,16 @@ def _sample_jit(keys: jax.Array, logits: jax.Array, settings: RowSettings, n_val
     return sample_rows(keys, logits, settings, n_valid)
 
 
-def sample(key: jax.Array, logits: jax.Array, *, temperature: Any, top_k: Any, top_p: Any, min_p: Any = 0.0,
-           n_valid: int | None = None) -> jax.Array:
+def sample(
+    key: jax.Array,
+    logits: jax.Array,
+    *,
+    temperature: Any,
+    top_k: Any,
+    top_p: Any,
+    min_p: Any = 0.0,
+    n_valid: int | None = None,
+) -> jax.Array:
     """One PRNG key or one per row [B], logits [B, V] -> next tokens [B] int32."""
     logits = jnp.asarray(logits)
     check_logits(logits, n_valid)

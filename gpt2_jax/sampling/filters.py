@@ -33,6 +33,7 @@ def _two_sum(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
 def cumsum(x: jax.Array) -> jax.Array:
     """Cumulative sum over the last axis [B, N] -> [B, N], each prefix accurate to ~2^-44 and rounded to
     float32, the same for a row alone or in any batch."""
+
     # torch's CPU cumsum accumulates float32 in float64; a float32 scan drifts by several ulps over 50k
     # tokens, enough to move the top-p boundary. On CPU the kernel does what torch does (one sequential
     # float64 pass per row); elsewhere a (hi, lo) float32 pair carries ~48 bits through a log-depth scan,
@@ -155,9 +156,20 @@ def _probs_jit(logits: jax.Array, settings: RowSettings, n_valid: int | None) ->
     return jax.nn.softmax(filter_logits(logits, settings, n_valid), axis=-1)
 
 
-def next_token_probs(logits: jax.Array, *, temperature: Any, top_k: Any, top_p: Any, min_p: Any = 0.0,
-                     n_valid: int | None = None, prompts: Any = None, outputs: Any = None,
-                     eos_id: int | None = None, stop_ids: Any = (), **processors: Any) -> jax.Array:
+def next_token_probs(
+    logits: jax.Array,
+    *,
+    temperature: Any,
+    top_k: Any,
+    top_p: Any,
+    min_p: Any = 0.0,
+    n_valid: int | None = None,
+    prompts: Any = None,
+    outputs: Any = None,
+    eos_id: int | None = None,
+    stop_ids: Any = (),
+    **processors: Any,
+) -> jax.Array:
     """[B, V] logits -> [B, V] float32: the exact distribution `sample` draws each row from. With
     processors (generate's repetition_penalty, logit_bias, ...), prompts [B] and outputs [B] (token-id
     lists) give each row's text so far, and the logits are processed first (gpt2_jax.sampling.options.process_logits)."""

@@ -25,8 +25,12 @@ _SCALARS = {  # name: (dtype, default, allowed, check)
     "frequency_penalty": (np.float32, 0.0, "a number in [-2, 2] (0 means off)", lambda v: (v >= -2) & (v <= 2)),
     "presence_penalty": (np.float32, 0.0, "a number in [-2, 2] (0 means off)", lambda v: (v >= -2) & (v <= 2)),
     "min_p": (np.float32, 0.0, "a number in [0, 1] (0 means off)", lambda v: (v >= 0) & (v <= 1)),
-    "no_repeat_ngram_size": (np.int32, 0, f"an integer in [0, {MAX_NGRAM}] (0 means off)",
-                             lambda v: (v >= 0) & (v <= MAX_NGRAM)),
+    "no_repeat_ngram_size": (
+        np.int32,
+        0,
+        f"an integer in [0, {MAX_NGRAM}] (0 means off)",
+        lambda v: (v >= 0) & (v <= MAX_NGRAM),
+    ),
     "min_new_tokens": (np.int32, 0, "an integer >= 0 (0 means off)", lambda v: v >= 0),
 }
 
@@ -100,7 +104,9 @@ def _is_word(x: Any) -> bool:
     return isinstance(x, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in x)
 
 
-def bad_words_rows(bad_words_ids: Any, batch_size: int, vocab: int, eos_id: int | None) -> tuple[np.ndarray, np.ndarray]:
+def bad_words_rows(
+    bad_words_ids: Any, batch_size: int, vocab: int, eos_id: int | None
+) -> tuple[np.ndarray, np.ndarray]:
     """None, one list of token sequences, or one such list (or None) per row -> (words [B, W, M], lengths
     [B, W]). As transformers does, the one-token word [eos_id] is dropped (EOS stays possible)."""
     if not bad_words_ids:
@@ -130,10 +136,19 @@ def bad_words_rows(bad_words_ids: Any, batch_size: int, vocab: int, eos_id: int 
     return words, lengths
 
 
-def processor_settings(batch_size: int, vocab: int, eos_id: int | None, *, logit_bias: Any = None,
-                       repetition_penalty: Any = 1.0, frequency_penalty: Any = 0.0, presence_penalty: Any = 0.0,
-                       no_repeat_ngram_size: Any = 0, bad_words_ids: Any = None,
-                       min_new_tokens: Any = 0) -> ProcessorSettings:
+def processor_settings(
+    batch_size: int,
+    vocab: int,
+    eos_id: int | None,
+    *,
+    logit_bias: Any = None,
+    repetition_penalty: Any = 1.0,
+    frequency_penalty: Any = 0.0,
+    presence_penalty: Any = 0.0,
+    no_repeat_ngram_size: Any = 0,
+    bad_words_ids: Any = None,
+    min_new_tokens: Any = 0,
+) -> ProcessorSettings:
     """Validate every processor setting -> ProcessorSettings of host arrays (ConfigError names the bad one)."""
     ids, bias = logit_bias_rows(logit_bias, batch_size, vocab)
     words, lengths = bad_words_rows(bad_words_ids, batch_size, vocab, eos_id)
@@ -172,8 +187,9 @@ def history_state(prompts: Any, outputs: Any, vocab: int) -> tuple[ProcessorStat
 _process_jit = jax.jit(apply_processors)
 
 
-def process_logits(logits: Any, *, prompts: Any, outputs: Any = None, eos_id: int | None = None,
-                   stop_ids: Any = (), **processors: Any) -> jax.Array:
+def process_logits(
+    logits: Any, *, prompts: Any, outputs: Any = None, eos_id: int | None = None, stop_ids: Any = (), **processors: Any
+) -> jax.Array:
     """The processors alone, outside the decode loop: raw logits [B, V] for the next token after each row's
     prompt + outputs (token-id lists) -> processed logits [B, V] (-inf where banned). The same function
     (apply_processors) the loop runs; the settings are generate's."""

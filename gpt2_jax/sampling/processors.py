@@ -73,8 +73,9 @@ def apply_repetition_penalty(logits: jax.Array, seen: jax.Array, theta: jax.Arra
     return jnp.where(seen, jnp.where(logits < 0, logits * t, logits / t), logits)
 
 
-def apply_presence_frequency(logits: jax.Array, counts: jax.Array, frequency: jax.Array,
-                             presence: jax.Array) -> jax.Array:
+def apply_presence_frequency(
+    logits: jax.Array, counts: jax.Array, frequency: jax.Array, presence: jax.Array
+) -> jax.Array:
     """OpenAI's penalties over the output tokens: logits - frequency * count - presence * (count > 0)."""
     logits = logits - frequency[:, None] * counts.astype(jnp.float32)
     return logits - presence[:, None] * (counts > 0).astype(jnp.float32)
@@ -107,8 +108,7 @@ def repeated_ngrams(history: jax.Array, length: jax.Array, n: jax.Array, v: int)
     return _scatter_tokens(last, hit, v)
 
 
-def bad_word_tokens(history: jax.Array, length: jax.Array, words: jax.Array, word_len: jax.Array,
-                    v: int) -> jax.Array:
+def bad_word_tokens(history: jax.Array, length: jax.Array, words: jax.Array, word_len: jax.Array, v: int) -> jax.Array:
     """transformers' NoBadWordsLogitsProcessor -> banned [B, V]: a word's last token when the word's other
     tokens (words [B, W, M], lengths [B, W]) end the text history[:length]; a one-token word always."""
     b, w, m = words.shape
@@ -129,8 +129,15 @@ def early_stop_tokens(generated: jax.Array, min_new: jax.Array, stop_ids: jax.Ar
     return _scatter_tokens(jnp.broadcast_to(stop_ids, early.shape), early, v)
 
 
-def apply_processors(logits: jax.Array, p: ProcessorSettings, state: ProcessorState, length: jax.Array,
-                     generated: jax.Array, stop_ids: jax.Array, allowed: jax.Array | None = None) -> jax.Array:
+def apply_processors(
+    logits: jax.Array,
+    p: ProcessorSettings,
+    state: ProcessorState,
+    length: jax.Array,
+    generated: jax.Array,
+    stop_ids: jax.Array,
+    allowed: jax.Array | None = None,
+) -> jax.Array:
     """Raw logits [B, V] -> processed float32 logits [B, V], in the module docstring's order. length [B]: the
     text's length (prompt + output); generated [B]: output tokens so far; allowed [B, V]: a constraint's mask.
     The n-gram and word scans run only when some row of the batch uses them (lax.cond), so they cost
@@ -140,8 +147,11 @@ def apply_processors(logits: jax.Array, p: ProcessorSettings, state: ProcessorSt
     x = apply_repetition_penalty(x, state.in_prompt | (state.counts > 0), p.repetition_penalty)
     x = apply_presence_frequency(x, state.counts, p.frequency_penalty, p.presence_penalty)
     none = jnp.zeros(x.shape, bool)
-    banned = jax.lax.cond(jnp.any(p.no_repeat_ngram_size > 0),
-                          lambda: repeated_ngrams(state.history, length, p.no_repeat_ngram_size, v), lambda: none)
+    banned = jax.lax.cond(
+        jnp.any(p.no_repeat_ngram_size > 0),
+        lambda: repeated_ngrams(state.history, length, p.no_repeat_ngram_size, v),
+        lambda: none,
+    )
     banned |= jax.lax.cond(jnp.any(p.bad_word_lengths > 0),
                            lambda: bad_word_tokens(state.history, length, p.bad_words, p.bad_word_lengths, v),
                            lambda: none)  # fmt: skip

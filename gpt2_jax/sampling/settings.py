@@ -60,7 +60,9 @@ def row_settings(temperature: Any, top_k: Any, top_p: Any, batch_size: int, min_
         drop = 1 - jnp.asarray(top_p, jnp.float32)
     else:
         drop = (1.0 - np.asarray(top_p, np.float64)).astype(np.float32)
-    return RowSettings(rows(temperature, np.float32), rows(k, np.int32), rows(drop, np.float32), rows(min_p, np.float32))
+    return RowSettings(
+        rows(temperature, np.float32), rows(k, np.int32), rows(drop, np.float32), rows(min_p, np.float32)
+    )
 
 
 def row_keys(key: Any, batch_size: int) -> jax.Array:

@@ -114,7 +114,8 @@ def create_app(engine: Engine, tokenizer: Any, model_name: str, *, log: Any = No
             job = Job(rid, plan, enc, eos, metrics, t0)
             if plan.echo and plan.top_n is not None:
                 job.echo = await loop.run_in_executor(
-                    None, lambda: [prompt_logprobs(engine.params, config, p, plan.top_n) for p in plan.prompts])
+                    None, lambda: [prompt_logprobs(engine.params, config, p, plan.top_n) for p in plan.prompts]
+                )
             if plan.max_tokens > 0:
                 await loop.run_in_executor(None, job.submit, engine)
             else:  # echo-only scoring: nothing to generate
@@ -144,8 +145,10 @@ def create_app(engine: Engine, tokenizer: Any, model_name: str, *, log: Any = No
             metrics.completion_tokens += usage["completion_tokens"]
         reasons = ",".join(str(c.finish) for c in job.choices)
         ttft = "" if job.first_token is None else f" ttft={job.first_token - job.arrived:.3f}s"
-        say(f"{job.rid} {status} prompt_tokens={usage['prompt_tokens']} completion_tokens={usage['completion_tokens']}"
-            f" finish={reasons} latency={latency:.3f}s{ttft} seed={job.plan.seed}{note}")
+        say(
+            f"{job.rid} {status} prompt_tokens={usage['prompt_tokens']} completion_tokens={usage['completion_tokens']}"
+            f" finish={reasons} latency={latency:.3f}s{ttft} seed={job.plan.seed}{note}"
+        )
 
     async def _collect(job: Job, http: HTTPRequest, t0: float, headers: dict) -> Response:
         """Wait for every row; a client that goes away cancels them."""

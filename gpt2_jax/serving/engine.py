@@ -98,6 +98,7 @@ def _fit(a: np.ndarray, shape: tuple, what: str) -> np.ndarray:
 @functools.partial(jax.jit, donate_argnums=0)
 def _insert(state: DecodeState, row: DecodeState, slot: jax.Array) -> DecodeState:
     """Copy a one-row state into slot `slot` of the engine's state (the cache's rows sit on axis 1)."""
+
     def put(big, small):
         return big.at[slot].set(small[0])
 
@@ -116,14 +117,21 @@ def _set_automaton(state: DecodeState, automaton: jax.Array) -> DecodeState:
 class Engine:
     """Continuous batching over max_batch slots of max_seq positions each (see the module docstring)."""
 
-    def __init__(self, params: Params, config: GPT2Config, *, max_batch: int = 8, max_queue: int = 64,
-                 max_seq: int | None = None):
+    def __init__(
+        self, params: Params, config: GPT2Config, *, max_batch: int = 8, max_queue: int = 64, max_seq: int | None = None
+    ):
         if max_batch < 1 or max_queue < 0:
             raise ConfigError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch}, {max_queue}")
         max_seq = config.n_positions if max_seq is None else max_seq
         if not 1 <= max_seq <= config.n_positions:
             raise ConfigError(f"max_seq must be in [1, n_positions={config.n_positions}], got {max_seq}")
-        self.params, self.config, self.max_batch, self.max_queue, self.max_seq = params, config, max_batch, max_queue, max_seq
+        self.params, self.config, self.max_batch, self.max_queue, self.max_seq = (
+            params,
+            config,
+            max_batch,
+            max_queue,
+            max_seq,
+        )
         self.capacity = -(-max_seq // KEY_BLOCK) * KEY_BLOCK
         self.slots: list[_Slot | None] = [None] * max_batch
         self.queue: collections.deque[Request] = collections.deque()
@@ -152,6 +160,7 @@ class Engine:
 
     def _set_row_rules(self, b: int, rules: Rules) -> None:
         """Write a one-row Rules into row b of the engine's (fixed-shape) host rules."""
+
         def put(big, small):
             big[b] = _fit(np.asarray(small)[0], big.shape[1:], "a setting")
 
@@ -208,8 +217,11 @@ class Engine:
             row = prefill(self.params, prep.batch.tokens[:1], prep.batch.lengths[:1], prep.batch.keys[:1],
                           self.config, self.capacity)  # fmt: skip
             c = request.options.get("constraint")
-            automaton = None if c is None else constraints.compile_constraint(c, self.config.vocab_size,
-                                                                              int(self.rules_host.stop.eos_id))
+            automaton = (
+                None
+                if c is None
+                else constraints.compile_constraint(c, self.config.vocab_size, int(self.rules_host.stop.eos_id))
+            )
         except Exception as e:
             _tell(request, "error", e)
             return

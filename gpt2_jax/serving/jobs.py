@@ -94,7 +94,7 @@ class Choice:
         text = self.final_text() if final else self.safe_text()
         if not text.startswith(self.shown):  # cannot happen (see safe_text); never resend text
             return ""
-        out, self.shown = text[len(self.shown):], text
+        out, self.shown = text[len(self.shown) :], text
         return out
 
 

@@ -58,8 +58,9 @@ _FIELDS = tuple(CompletionRequest.model_fields)
 class ApiError(Exception):
     """An error answered as OpenAI does: {"error": {"message", "type", "param", "code"}}."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str | None = None):
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None, kind: str | None = None
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.kind = kind or {400: "invalid_request_error", 404: "invalid_request_error",
@@ -72,8 +73,24 @@ class ApiError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
-_SETTINGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-             "logit_bias", "stop", "max_tokens", "min_tokens", "logprobs", "prompt", "regex", "choice", "json_schema")
+_SETTINGS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "stop",
+    "max_tokens",
+    "min_tokens",
+    "logprobs",
+    "prompt",
+    "regex",
+    "choice",
+    "json_schema",
+)
 
 
 def _guess_param(message: str) -> str | None:
@@ -115,4 +132,3 @@ def from_validation(errors: list[dict]) -> ApiError:
                              "token-id lists", param="prompt")  # fmt: skip
     field = loc[0] if loc else None
     return ApiError(400, f"{'.'.join(loc) or 'body'}: {e['msg']}", param=field)
-

@@ -46,7 +46,9 @@ def check_draft(draft: Any, config: GPT2Config, k: Any, needed: int) -> tuple[Pa
             raise ConfigError(f"draft must be {PROMPT_LOOKUP!r} or (draft_params, draft_config), got {draft!r}")
         return None, None
     if not (isinstance(draft, (tuple, list)) and len(draft) == 2 and isinstance(draft[1], GPT2Config)):
-        raise ConfigError(f"draft must be {PROMPT_LOOKUP!r} or (draft_params, draft_config), got {type(draft).__name__}")
+        raise ConfigError(
+            f"draft must be {PROMPT_LOOKUP!r} or (draft_params, draft_config), got {type(draft).__name__}"
+        )
     draft_params, draft_config = draft
     if draft_config.vocab_size != config.vocab_size or draft_config.valid_vocab != config.valid_vocab:
         raise ConfigError(

@@ -54,15 +54,23 @@ def prompt_lookup(history: jax.Array, length: jax.Array, k: int) -> jax.Array:
     return jnp.take_along_axis(history, slots, axis=1)
 
 
-def draft_prefill(draft_params: Params, tokens: jax.Array, lengths: jax.Array, cache: KVCache,
-                  draft_config: GPT2Config) -> KVCache:
+def draft_prefill(
+    draft_params: Params, tokens: jax.Array, lengths: jax.Array, cache: KVCache, draft_config: GPT2Config
+) -> KVCache:
     """The draft reads the prompts [B, P] into its own cache (lengths [B] set to the prompts')."""
     _, cache = forward_cached(draft_params, tokens, cache, draft_config, last=lengths - 1)
     return cache._replace(lengths=lengths)
 
 
-def draft_propose(draft_params: Params, cache: KVCache, prev: jax.Array, token: jax.Array, start: jax.Array,
-                  k: int, draft_config: GPT2Config) -> tuple[jax.Array, KVCache]:
+def draft_propose(
+    draft_params: Params,
+    cache: KVCache,
+    prev: jax.Array,
+    token: jax.Array,
+    start: jax.Array,
+    k: int,
+    draft_config: GPT2Config,
+) -> tuple[jax.Array, KVCache]:
     """The draft's k greedy tokens [B, k] after the row's accepted tokens, ending (prev at slot start,
     token at start + 1). prev is fed again each round: its slot may hold a proposal the target did
     not take or nothing yet (when the previous round's k proposals were all accepted), and feeding

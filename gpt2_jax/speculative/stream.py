@@ -14,8 +14,9 @@ from typing import Any
 import numpy as np
 
 
-def stream_rounds(spec: Any, state: Any, rules: Any, n: int, rows: int, matcher: Any,
-                  halt: Callable) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+def stream_rounds(
+    spec: Any, state: Any, rules: Any, n: int, rows: int, matcher: Any, halt: Callable
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Yield (tokens [rows], live [rows]) per step for up to n steps from a prefilled state. A row stops
     after its stopping token (EOS, a stop id, or the token completing a stop string) or n tokens;
     stopped rows repeat their fill: the EOS id, else their last token."""

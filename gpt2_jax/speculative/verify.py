@@ -47,6 +47,7 @@ class Stats(NamedTuple):
 
 def _commit(take: jax.Array, new: DecodeState, old: DecodeState) -> DecodeState:
     """Row by row [B]: the draw's updates (done, fill, count, history, automaton) where take, else old."""
+
     def pick(a, b):
         return jnp.where(take.reshape(-1, *([1] * (a.ndim - 1))), a, b)
 
@@ -55,9 +56,19 @@ def _commit(take: jax.Array, new: DecodeState, old: DecodeState) -> DecodeState:
                         automaton=pick(new.automaton, old.automaton))  # fmt: skip
 
 
-def speculate_round(params: Params, draft_params: Params | None, state: DecodeState, dcache: KVCache | None,
-                    rules: Rules, until: jax.Array, config: GPT2Config, draft_config: GPT2Config | None, k: int,
-                    r: int = 0, hooks=None) -> tuple[DecodeState, KVCache | None, Step, jax.Array]:
+def speculate_round(
+    params: Params,
+    draft_params: Params | None,
+    state: DecodeState,
+    dcache: KVCache | None,
+    rules: Rules,
+    until: jax.Array,
+    config: GPT2Config,
+    draft_config: GPT2Config | None,
+    k: int,
+    r: int = 0,
+    hooks=None,
+) -> tuple[DecodeState, KVCache | None, Step, jax.Array]:
     """One round (module docstring) -> (state, draft cache, Steps [B, k+1] (t0, x_1..x_k), kept [B]).
     A row takes part while it is not done and has fewer than `until` tokens; the others are unchanged.
     draft_config None: prompt lookup. hooks edit the target's forward (gpt2_jax.inspect.Hooks), not the draft's."""
@@ -93,9 +104,21 @@ def speculate_round(params: Params, draft_params: Params | None, state: DecodeSt
     return s, dcache, out, kept
 
 
-def speculate_loop(params: Params, draft_params: Params | None, state: DecodeState, dcache: KVCache | None,
-                   rules: Rules, until: jax.Array, rounds: jax.Array, config: GPT2Config,
-                   draft_config: GPT2Config | None, steps: int, k: int, r: int, hooks=None):
+def speculate_loop(
+    params: Params,
+    draft_params: Params | None,
+    state: DecodeState,
+    dcache: KVCache | None,
+    rules: Rules,
+    until: jax.Array,
+    rounds: jax.Array,
+    config: GPT2Config,
+    draft_config: GPT2Config | None,
+    steps: int,
+    k: int,
+    r: int,
+    hooks=None,
+):
     """Rounds until every row is done or holds `until` tokens (at most `rounds` rounds) -> (state, draft
     cache, Steps [B, steps] from the row's count at entry (the fill and 0 after its last token), tokens
     made [B], Stats)."""
@@ -126,15 +149,29 @@ def speculate_loop(params: Params, draft_params: Params | None, state: DecodeSta
     _, state, dcache, out, stats = jax.lax.while_loop(running, body, carry)
     made = state.generated - start
     after = jnp.arange(steps)[None, :] >= made[:, None]
-    out = out._replace(token=jnp.where(after, state.fill[:, None], out.token), logprob=jnp.where(after, 0.0, out.logprob))
+    out = out._replace(
+        token=jnp.where(after, state.fill[:, None], out.token), logprob=jnp.where(after, 0.0, out.logprob)
+    )
     return state, dcache, out, made, stats
 
 
 @functools.partial(jax.jit, static_argnames=("config", "draft_config", "steps", "k", "r", "hooks"),
                    donate_argnames=("state", "dcache"))  # fmt: skip
-def speculate_chunk(params: Params, draft_params: Params | None, state: DecodeState, dcache: KVCache | None,
-                    rules: Rules, until: jax.Array, rounds: jax.Array, config: GPT2Config,
-                    draft_config: GPT2Config | None, steps: int, k: int, r: int = 0, hooks=None):
+def speculate_chunk(
+    params: Params,
+    draft_params: Params | None,
+    state: DecodeState,
+    dcache: KVCache | None,
+    rules: Rules,
+    until: jax.Array,
+    rounds: jax.Array,
+    config: GPT2Config,
+    draft_config: GPT2Config | None,
+    steps: int,
+    k: int,
+    r: int = 0,
+    hooks=None,
+):
     """speculate_loop, jitted; state and draft cache are donated (updated in place)."""
     state, dcache, out, made, stats = speculate_loop(params, draft_params, state, dcache, rules, until, rounds,
                                                      config, draft_config, steps, k, r, hooks)  # fmt: skip
@@ -142,8 +179,9 @@ def speculate_chunk(params: Params, draft_params: Params | None, state: DecodeSt
 
 
 @functools.partial(jax.jit, static_argnames=("draft_config", "capacity"))
-def start_draft(draft_params: Params, tokens: jax.Array, lengths: jax.Array, draft_config: GPT2Config,
-                capacity: int) -> KVCache:
+def start_draft(
+    draft_params: Params, tokens: jax.Array, lengths: jax.Array, draft_config: GPT2Config, capacity: int
+) -> KVCache:
     """The draft's cache of `capacity` slots holding the prompts [B, P] (lengths [B])."""
     cache = init_cache(draft_config, tokens.shape[0], capacity, draft_params["wte"].dtype)
     return draft_prefill(draft_params, tokens, lengths, cache, draft_config)
