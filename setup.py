@@ -1,24 +1,23 @@
-"""Builds gpt2_jax's one compiled piece, the batch-invariant matmul kernels (gpt2_jax/kernels/rowdot.cc),
-against the XLA FFI headers that jaxlib ships. Everything else is in pyproject.toml. The extension is
+"""Builds gpt2_jax's one compiled piece, the batch-invariant CPU kernels (gpt2_jax/kernels/cpu.cc: rowdot,
+chain and cumsum), against the XLA FFI headers of the jax in the build environment (jax.ffi.include_dir();
+pyproject.toml pins that jax to the range the package runs with). Everything else is in pyproject.toml. The extension is
 optional: without a C++ compiler the install still succeeds and the model runs on XLA's own matmul
 (gpt2_jax.kernels.available() says which)."""
-
-import os
 
 from setuptools import Extension, setup
 
 
 def _xla_include() -> str:
-    import jaxlib
+    import jax
 
-    return os.path.join(os.path.dirname(jaxlib.__file__), "include")
+    return jax.ffi.include_dir()
 
 
 setup(
     ext_modules=[
         Extension(
-            "gpt2_jax.kernels._rowdot",
-            sources=["gpt2_jax/kernels/rowdot.cc"],
+            "gpt2_jax.kernels._cpu",
+            sources=["gpt2_jax/kernels/cpu.cc"],
             depends=["gpt2_jax/kernels/rowdot.h", "gpt2_jax/kernels/chain.h"],
             include_dirs=[_xla_include()],
             language="c++",

@@ -74,7 +74,7 @@ def build_report(calls: int = 300, vocab_size: int = 50257) -> list[dict]:
     from outlines_core import Index
 
     from gpt2_jax import constraints as C
-    from gpt2_jax.constraints import spec
+    from gpt2_jax.sampling.constraints import spec
 
     C.gpt2_vocabulary.cache_clear()
     vocab_s = _seconds(C.gpt2_vocabulary)

@@ -98,7 +98,7 @@ def main() -> None:
 
     import gpt2_jax
     from gpt2_jax import kernels
-    from gpt2_jax.params import param_bytes
+    from gpt2_jax.model.params import param_bytes
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

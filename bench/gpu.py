@@ -62,9 +62,9 @@ from timing import best_of  # noqa: E402  bench/timing.py, beside this script
 
 import gpt2_jax  # noqa: E402
 from gpt2_jax.config import GPT2Config  # noqa: E402
-from gpt2_jax.generate import generate  # noqa: E402
-from gpt2_jax.params import param_bytes, stack_layers, unstack_layers  # noqa: E402
-from gpt2_jax.precision import quantize_int8  # noqa: E402
+from gpt2_jax.generation.generator import generate  # noqa: E402
+from gpt2_jax.model.params import param_bytes, stack_layers, unstack_layers  # noqa: E402
+from gpt2_jax.model.precision import quantize_int8  # noqa: E402
 
 DATASHEET_BYTES_S = {"H200": 4.8e12}  # HBM bandwidth by device name fragment
 BOUND_TARGET = 1.5  # batch-1 decode within this factor of the measured bandwidth bound
@@ -217,7 +217,7 @@ def build_models(shape: GPT2Config, torch, transformers, device: str, dtype: str
 
 
 def ours(params, config: GPT2Config, prompts: list[list[int]]):
-    """n -> greedy tokens [B, n] from gpt2_jax.generate on these prompts."""
+    """n -> greedy tokens [B, n] from gpt2_jax.generation.generator on these prompts."""
 
     def run(n: int) -> np.ndarray:
         return generate(params, config, prompts, jax.random.key(0), max_new_tokens=n, temperature=0.0,
@@ -323,7 +323,7 @@ class ModelBench:
         self.add_decode_row(batch, step, first, hf_step)
 
     def decode_int8(self, params, chosen: str) -> None:
-        """Batch-1 decode with int8 weight-only blocks (gpt2_jax.precision), against the same
+        """Batch-1 decode with int8 weight-only blocks (gpt2_jax.model.precision), against the same
         transformers bf16 run: the bytes per token drop, so the bound does too."""
         q = quantize_int8(params)
         q = unstack_layers(q) if chosen == "unstacked" else stack_layers(q)

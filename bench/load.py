@@ -42,7 +42,7 @@ def child(kind: str, path: str, out: str | None) -> dict:
     import numpy as np
 
     import gpt2_jax
-    from gpt2_jax.convert import convert
+    from gpt2_jax.checkpoints.conversion import convert
 
     if kind == "peer":
         import torch
@@ -55,7 +55,7 @@ def child(kind: str, path: str, out: str | None) -> dict:
         params = jax.block_until_ready(gpt2_jax.load(path)[0])
         sum(float(np.asarray(leaf).sum(dtype=np.float32)) for leaf in jax.tree.leaves(params))  # a view on CPU
     elif kind == "fresh":  # the floor under any loader that must write a new layout: memory to hold it
-        from gpt2_jax.hostmem import _allocate
+        from gpt2_jax.checkpoints.host_buffers import _allocate
 
         left, held = (Path(path) / "model.safetensors").stat().st_size, []
         while left > 0:  # gpt2-xl's largest block tensor at a time, allocated as the loaders allocate
@@ -91,7 +91,7 @@ def build_hf(dst: Path, shape: dict) -> None:
     import torch
     import transformers
 
-    from gpt2_jax.files import atomic_dir
+    from gpt2_jax.checkpoints.atomic import atomic_dir
 
     torch.manual_seed(0)
     with atomic_dir(dst) as tmp:
@@ -103,7 +103,7 @@ def build_nanogpt(hf_dir: Path, dst: Path, shape: dict) -> None:
     import torch
     from safetensors import safe_open
 
-    from gpt2_jax.files import atomic_dir
+    from gpt2_jax.checkpoints.atomic import atomic_dir
 
     linears = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
     with safe_open(str(hf_dir / "model.safetensors"), framework="pt") as f:

@@ -1,4 +1,4 @@
-"""Logit error of each precision mode (gpt2_jax.precision) against float32, as a markdown table.
+"""Logit error of each precision mode (gpt2_jax.model.precision) against float32, as a markdown table.
 
     python bench/precision.py
 
@@ -16,9 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import gpt2_jax
-from gpt2_jax.cli import BUNDLED_MODEL
-from gpt2_jax.params import param_bytes
-from gpt2_jax.precision import MODES, with_precision
+from gpt2_jax import BUNDLED_MODEL
+from gpt2_jax.model.params import param_bytes
+from gpt2_jax.model.precision import MODES, with_precision
 
 TEXT = """HAMLET. To be, or not to be, that is the question:
 Whether 'tis nobler in the mind to suffer

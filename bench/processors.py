@@ -3,10 +3,10 @@ same run on the same model: gpt2 (124M) widths, random weights, float32, B=1 and
 
     python bench/processors.py [--rounds 15] [--loop-rounds 3] [--steps 4] [--batch 1 8] [--smoke]
 
-How a step is timed. Each row's settings go through generate's own host preparation (_prepare: the same
+How a step is timed. Each row's settings go through generate's own host preparation (prepare: the same
 validation, processor packing and constraint tables generate uses) and are put on the device once; after
 a prefill (32-token prompts, a cache sized for 128 new tokens: the S every row shares), a sample is --steps
-calls of gpt2_jax.decode.decode_step, the jitted step generate_stream runs, dispatched back to back and
+calls of gpt2_jax.generation.decode.decode_step, the jitted step generate_stream runs, dispatched back to back and
 waited for once; ms/step is its wall time over the steps. A row keeps its state from sample to sample and
 is prefilled again (untimed) once its 128 steps are used. This isolates the step: prefill is outside the
 timed region, the step count is exact, and a row that has finished (a choice constraint ends after a few
@@ -108,9 +108,10 @@ def main() -> None:
 
     import gpt2_jax
     from gpt2_jax import constraints as C
-    from gpt2_jax.decode import decode_step, prefill
-    from gpt2_jax.generate import DECODE_CHUNK, _prepare
-    from gpt2_jax.params import param_bytes
+    from gpt2_jax.generation import decode_step, prefill, prepare
+    from gpt2_jax.generation.generator import DECODE_CHUNK
+    from gpt2_jax.model.params import param_bytes
+    from gpt2_jax.sampling import sampling_rows
 
     if NEW % DECODE_CHUNK or LOOP_SHORT % DECODE_CHUNK:
         raise SystemExit(f"loop lengths {LOOP_SHORT} and {NEW} must be whole chunks of {DECODE_CHUNK} steps")
@@ -145,7 +146,9 @@ def main() -> None:
         prompts = rng.integers(0, 50000, (B, PROMPT)).tolist()
 
         def step_sampler(kw):
-            prep = _prepare(params, config, prompts, key, NEW, **kw)
+            prep = prepare(
+                params, config, prompts, key, sampling_rows(None, len(prompts), dict(max_new_tokens=NEW, **kw))
+            )
             rules, batch, r = jax.device_put(prep.rules), prep.batch, 20 if prep.r else 0  # generate's width
             held = {"state": None, "made": NEW}
 

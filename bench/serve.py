@@ -110,7 +110,7 @@ def transformers_peer(model_dir: str, reqs: list[dict], threads: int) -> tuple[f
     import transformers
 
     import gpt2_jax
-    from gpt2_jax.convert import convert
+    from gpt2_jax.checkpoints.conversion import convert
 
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -144,7 +144,7 @@ def main() -> None:
     import jax.numpy as jnp
     import openai
 
-    from gpt2_jax.cli import BUNDLED_MODEL
+    from gpt2_jax import BUNDLED_MODEL
 
     threads = len(os.sched_getaffinity(0))
     describe(jax, jnp, threads)

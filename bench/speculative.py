@@ -84,7 +84,7 @@ def main() -> None:
     import transformers
 
     import gpt2_jax
-    from gpt2_jax.params import param_bytes
+    from gpt2_jax.model.params import param_bytes
 
     torch.set_num_threads(args.threads)
     machine = describe(jax, jax.numpy, args.threads)

@@ -15,7 +15,7 @@ FLOPs utilisation (6 x params x tokens/s over the machine's measured float32 mat
 include the tied embedding, whose unembedding matmul is real work), and peak memory: in a fresh process
 per library, the peak resident set over its first 3 steps (compilation included) minus the resident set
 before them. Then the same for gpt2_jax with --remat (each block recomputed in the backward) at 6x384.
-Then `gpt2-jax train`'s own steady-state tokens/s (gpt2_jax.trainer.train on random tokens, the bundled
+Then `gpt2-jax train`'s own steady-state tokens/s (gpt2_jax.training.loop.train on random tokens, the bundled
 model's shape; its rate leaves out the first, compiling step and evals/checkpoints) against the bare
 step's mean over as many consecutive steps; the target is within 5%.
 
@@ -76,7 +76,7 @@ def jax_side(shape: dict, seed: int = 0, remat: bool = False):
     import numpy as np
 
     import gpt2_jax
-    from gpt2_jax.train import Hyper, init_state, make_optimizer, make_train_step
+    from gpt2_jax.training.step import Hyper, init_state, make_optimizer, make_train_step
 
     config = gpt2_jax.GPT2Config(n_layer=shape["n_layer"], n_head=shape["n_head"], n_embd=shape["n_embd"],
                                  n_positions=shape["n_positions"], embd_pdrop=DROPOUT, attn_pdrop=DROPOUT,
@@ -129,8 +129,8 @@ def trainer_rate(shape: dict, steps: int) -> tuple[float, float]:
     right before it), on random tokens in the bundled model's shape."""
     import numpy as np
 
-    from gpt2_jax.train import Hyper
-    from gpt2_jax.trainer import train
+    from gpt2_jax.training.loop import train
+    from gpt2_jax.training.step import Hyper
 
     tokens = shape["batch"] * shape["block"]
     step, config = jax_side(shape)

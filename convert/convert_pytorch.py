@@ -5,7 +5,7 @@ convert/convert_pytorch.py SRC DST [--dtype float32|bfloat16] [--force] [--to-hf
 (or python convert/convert_pytorch.py ...; gpt2-jax convert takes the same arguments)
 """
 
-from gpt2_jax.convert import main
+from gpt2_jax.cli.convert import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

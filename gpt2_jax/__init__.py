@@ -1,48 +1,37 @@
-"""gpt2_jax: GPT-2 as small pure JAX functions, loading real PyTorch checkpoints."""
+"""gpt2_jax: GPT-2 as small pure JAX functions, loading real PyTorch checkpoints.
 
-from gpt2_jax import constraints, distributed, inspect, precision, sampling, sharding
-from gpt2_jax.complete import Completion, complete
+The public API. Each folder answers one question:
+  model/        what GPT-2 computes: params, blocks, attention, the KV cache, forward
+  kernels/      the CPU kernels that keep a row's bits independent of its batch
+  checkpoints/  weights in and out: load, convert, the hub, gpt2_jax's own format
+  generation/   prompts into tokens: prefill, decode steps, generate, complete, speculative decoding
+  sampling/     choosing the next token: SamplingParams, processors, filters, the draw, constraints
+  training/     learning the weights: loss, train step, the training loop, data
+  parallel/     many devices and hosts: meshes, sharding, multi-process runs
+  interp/       looking inside: TransformerLens-named hooks, logit lens, patching
+  serving/      the continuous-batching engine and its OpenAI-compatible HTTP API
+  cli/          the gpt2-jax command
+"""
+
+from gpt2_jax import interp, kernels, sampling
+from gpt2_jax.checkpoints import BUNDLED_MODEL, convert, load
+from gpt2_jax.compiling import CompileTimer
 from gpt2_jax.config import PRESETS, GPT2Config
 from gpt2_jax.errors import CheckpointError, ConfigError, GPT2JaxError, InputError
-from gpt2_jax.generate import GenerateResult, generate, generate_stream
-from gpt2_jax.inspect import run_with_cache, run_with_hooks
-from gpt2_jax.loading import load
-from gpt2_jax.model import forward
-from gpt2_jax.params import cast_params, init_params, stack_layers, unstack_layers
+from gpt2_jax.generation import Completion, GenerateResult, complete, generate, generate_stream
+from gpt2_jax.interp import run_with_cache, run_with_hooks
+from gpt2_jax.model import cast_params, forward, init_params, precision, stack_layers, unstack_layers
+from gpt2_jax.parallel import distributed, sharding
+from gpt2_jax.sampling import SamplingParams, constraints
 from gpt2_jax.tokenizer import tokenizer
-from gpt2_jax.train import Hyper, eval_loss, init_state, loss_fn, make_optimizer, make_train_step
+from gpt2_jax.training import Hyper, eval_loss, init_state, loss_fn, make_optimizer, make_train_step
+
+inspect = interp  # the folder's name before 0.4 (it shadowed the standard library's inspect module)
 
 __all__ = [
-    "PRESETS",
-    "CheckpointError",
-    "Completion",
-    "ConfigError",
-    "GPT2Config",
-    "GPT2JaxError",
-    "GenerateResult",
-    "Hyper",
-    "InputError",
-    "cast_params",
-    "complete",
-    "constraints",
-    "distributed",
-    "eval_loss",
-    "forward",
-    "generate",
-    "generate_stream",
-    "init_params",
-    "init_state",
-    "inspect",
-    "load",
-    "loss_fn",
-    "make_optimizer",
-    "make_train_step",
-    "precision",
-    "run_with_cache",
-    "run_with_hooks",
-    "sampling",
-    "sharding",
-    "stack_layers",
-    "tokenizer",
-    "unstack_layers",
+    "BUNDLED_MODEL", "PRESETS", "CheckpointError", "CompileTimer", "Completion", "ConfigError", "GPT2Config",
+    "GPT2JaxError", "GenerateResult", "Hyper", "InputError", "SamplingParams", "cast_params", "complete", "constraints", "convert",
+    "distributed", "eval_loss", "forward", "generate", "generate_stream", "init_params", "init_state", "inspect",
+    "interp", "kernels", "load", "loss_fn", "make_optimizer", "make_train_step", "precision", "run_with_cache",
+    "run_with_hooks", "sampling", "sharding", "stack_layers", "tokenizer", "unstack_layers",
 ]  # fmt: skip

@@ -2,7 +2,7 @@
 
     python -m tests.multihost_worker PROCESS_ID PORT CHECKPOINT OUT_DIR DATA MODEL
 
-Joins the other process through gpt2_jax.distributed.initialize, restores the checkpoint straight into
+Joins the other process through gpt2_jax.parallel.distributed.initialize, restores the checkpoint straight into
 a data x model mesh over all 4 devices, and writes what it computed to OUT_DIR/process{id}.npz:
 forward logits (gathered from both processes), greedy and sampled tokens, and a train step's loss
 and updated parameters (gathered).
@@ -20,7 +20,7 @@ BATCH = np.random.default_rng(1).integers(0, 50257, (1, 4, 9)).astype(np.int32) 
 
 
 def main(process_id: int, port: int, checkpoint: str, out_dir: str, data: int, model: int) -> None:
-    from gpt2_jax.distributed import initialize
+    from gpt2_jax.parallel.distributed import initialize
 
     initialize(f"127.0.0.1:{port}", 2, process_id)  # before anything else touches JAX
 
@@ -29,8 +29,8 @@ def main(process_id: int, port: int, checkpoint: str, out_dir: str, data: int, m
     from jax.experimental import multihost_utils
 
     import gpt2_jax
-    from gpt2_jax.sharding import make_mesh
-    from gpt2_jax.train import init_state, make_train_step
+    from gpt2_jax.parallel.sharding import make_mesh
+    from gpt2_jax.training.step import init_state, make_train_step
 
     assert jax.process_count() == 2 and jax.device_count() == 4 and jax.local_device_count() == 2
     mesh = make_mesh(data, model)

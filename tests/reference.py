@@ -170,8 +170,8 @@ def save_sharded_bin_dir(model: transformers.GPT2LMHeadModel, path: Path, n_shar
 
 
 def prepared_text(root: Path) -> Path:
-    """Two small plays of random Shakespeare words in root/text, prepared (gpt2_jax.data) into root/prepared."""
-    from gpt2_jax.data import prepare
+    """Two small plays of random Shakespeare words in root/text, prepared (gpt2_jax.training.data) into root/prepared."""
+    from gpt2_jax.training.data import prepare
 
     (root / "text").mkdir()
     words = "to be or not to be that is the question whether tis nobler in the mind to suffer".split()

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 import gpt2_jax
-from gpt2_jax import hub
-from gpt2_jax.cli import build_parser, compile_cache_dir, main
-from gpt2_jax.generate import generate
+from gpt2_jax.checkpoints import hub
+from gpt2_jax.cli import main
+from gpt2_jax.cli.parser import build_parser, compile_cache_dir
+from gpt2_jax.generation.generator import generate
 from tests.reference import make_hf_model
 
 SUMMARY = re.compile(
@@ -123,7 +124,7 @@ def test_python_dash_m_entry_point(tmp_path):
 
 
 def test_bundled_model_is_the_offline_default(capsys, monkeypatch):
-    from gpt2_jax.cli import BUNDLED_MODEL
+    from gpt2_jax import BUNDLED_MODEL
 
     size = sum(f.stat().st_size for f in BUNDLED_MODEL.rglob("*") if f.is_file())
     assert size <= 16 * 2**20, f"bundled model is {size} bytes"

@@ -4,7 +4,7 @@ import pytest
 
 import gpt2_jax
 from gpt2_jax import PRESETS, ConfigError, GPT2Config, init_params
-from gpt2_jax.params import flat_shapes
+from gpt2_jax.model.params import flat_shapes
 
 # Published parameter counts of GPT-2 with the unembedding tied to wte.
 PUBLISHED = {"gpt2": 124_439_808, "gpt2-medium": 354_823_168, "gpt2-large": 774_030_080, "gpt2-xl": 1_557_611_200}

@@ -262,7 +262,7 @@ class FakeIndex:
 
 
 def test_build_prunes_dead_and_unreachable_states():
-    from gpt2_jax.constraints.automaton import build
+    from gpt2_jax.sampling.constraints.automaton import build
 
     transitions = {
         10: {5: 20, 6: 30, 7: 40},

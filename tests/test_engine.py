@@ -5,8 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-from gpt2_jax import ConfigError, constraints, generate, load, tokenizer
-from gpt2_jax.cli import BUNDLED_MODEL
+from gpt2_jax import BUNDLED_MODEL, ConfigError, SamplingParams, constraints, generate, load, tokenizer
 from gpt2_jax.serving import Cancelled, Engine, QueueFull, Request
 
 
@@ -30,12 +29,12 @@ class Recorder:
 
 def request(prompt, n, seed, options, top=0):
     rec = Recorder()
-    return Request(prompt, n, jax.random.fold_in(jax.random.key(seed), 0), options, rec, top_logprobs=top), rec
+    sampling = SamplingParams(max_new_tokens=n, top_logprobs=top, **options)
+    return Request(prompt, sampling, jax.random.fold_in(jax.random.key(seed), 0), rec, seed=seed), rec
 
 
 def alone(params, config, req):
-    g = generate(params, config, [req.prompt], jax.random.key(req.seed), max_new_tokens=req.max_new_tokens,
-                 return_logprobs=True, **req.options)  # fmt: skip
+    g = generate(params, config, [req.prompt], jax.random.key(req.seed), sampling=req.sampling.replace(logprobs=True))
     n = g.lengths[0]
     return g.tokens[0, :n].tolist(), g.logprobs[0, :n], (g.finish_reason[0], g.stop_string[0])
 
@@ -121,7 +120,7 @@ def test_a_full_queue_is_refused_and_bad_requests_fail_alone(model):
         raise RuntimeError("a client callback failed")
 
     engine = Engine(params, config, max_batch=2, max_queue=2, max_seq=64)
-    bad = Request(enc.encode("F"), 8, jax.random.key(0), {}, explode)
+    bad = Request(enc.encode("F"), SamplingParams(max_new_tokens=8), jax.random.key(0), explode)
     good, rec = request(enc.encode("G"), 8, 6, dict(temperature=0.9))
     good.seed = 6
     engine.submit(bad)

@@ -12,7 +12,7 @@ import torch
 
 import gpt2_jax
 from gpt2_jax import CheckpointError, ConfigError, InputError
-from gpt2_jax.convert import main as convert_main
+from gpt2_jax.cli.convert import main as convert_main
 from tests.reference import hf_state, make_hf_model, save_bin_dir, saved_and_loaded
 
 REPO = Path(__file__).resolve().parents[1]
@@ -145,7 +145,7 @@ def test_failure_while_writing_keeps_old_checkpoint(hf_dir, tmp_path, monkeypatc
     def boom(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr("gpt2_jax.hf.write_dir", boom)
+    monkeypatch.setattr("gpt2_jax.checkpoints.hf.write_dir", boom)
     with pytest.raises(OSError, match="disk full"):
         convert_main([str(hf_dir), str(dst), "--force", "--to-hf"])
     assert sorted(p.relative_to(dst) for p in dst.rglob("*")) == before
@@ -202,7 +202,7 @@ def test_bad_dtype_argument(hf_dir):
 
 
 def test_checkpoint_in_the_old_layout_or_with_a_missing_tensor_says_so(hf_dir, tmp_path):
-    from gpt2_jax import checkpoint
+    from gpt2_jax.checkpoints import native as checkpoint
 
     params, config = gpt2_jax.load(hf_dir)
     params = gpt2_jax.stack_layers(params)

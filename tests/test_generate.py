@@ -8,9 +8,9 @@ import torch
 
 import gpt2_jax
 from gpt2_jax import ConfigError, InputError
-from gpt2_jax.cache import cache_bytes, init_cache
-from gpt2_jax.generate import _generate, generate, generate_stream
-from gpt2_jax.params import unstack_layers
+from gpt2_jax.generation.generator import _generate, generate, generate_stream
+from gpt2_jax.model.kv_cache import cache_bytes, init_cache
+from gpt2_jax.model.params import unstack_layers
 from tests.reference import hf_logits, make_hf_model, saved_and_loaded
 
 SHAPE = dict(n_layer=2, n_head=3, n_embd=48, vocab_size=101, n_positions=64)
@@ -190,8 +190,8 @@ def test_cache_size_formula():
     (dict(prompts=[[1, 2], []]), InputError, "prompt 1 is empty"),
     (dict(prompts=[[1, 101]]), InputError, "token id 101 is outside the vocab \\[0, 101\\)"),
     (dict(prompts=[[1, -1]]), InputError, "token id -1 is outside the vocab"),
-    (dict(eos_id=101), ConfigError, "stop/EOS id 101"),
-    (dict(stop_ids=[3, 500]), ConfigError, "stop/EOS id 500"),
+    (dict(eos_id=101), ConfigError, "eos_id: token id 101 must be an int in \\[0, 101\\)"),
+    (dict(stop_ids=[3, 500]), ConfigError, "stop_ids: token id 500 must be an int in \\[0, 101\\)"),
     (dict(key=jax.random.split(jax.random.key(0), 3)), ConfigError, "one PRNG key or one per row"),
 ])  # fmt: skip
 def test_invalid_arguments(model_and_params, kwargs, error, message):
@@ -210,7 +210,7 @@ def test_steering_hooks_while_decoding_match_a_torch_hook(model_and_params):
     logprobs equal a full run_with_hooks forward over the generated sequence, bit for bit."""
     model, params, config = model_and_params
     steer = np.random.default_rng(0).normal(0, 1.5, config.n_embd).astype(np.float32)
-    hooks = gpt2_jax.inspect.hooks({"blocks.0.hook_resid_post": lambda x: x + steer})
+    hooks = gpt2_jax.interp.hooks({"blocks.0.hook_resid_post": lambda x: x + steer})
     prompt, n = [5, 17, 0, 42, 9], 16
     kw = dict(max_new_tokens=n, temperature=0.0, eos_id=None, hooks=hooks, return_logprobs=True)
     ours = generate(params, config, [prompt], jax.random.key(0), **kw)

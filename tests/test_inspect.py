@@ -16,10 +16,10 @@ import torch
 
 import gpt2_jax
 from gpt2_jax import inspect
-from gpt2_jax.cache import init_cache
 from gpt2_jax.errors import InputError
-from gpt2_jax.model import forward_cached
-from gpt2_jax.sharding import make_mesh, shard_params
+from gpt2_jax.model.gpt2 import forward_cached
+from gpt2_jax.model.kv_cache import init_cache
+from gpt2_jax.parallel.sharding import make_mesh, shard_params
 from tests.reference import hf_logits, make_hf_model, random_tokens, rel_err
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the bridge reads the saved directory, never the Hub
@@ -143,7 +143,7 @@ def test_names_keep_only_what_is_asked(model, our_run):
 def test_memory_follows_the_names(model):
     """One layer's pattern holds 2 slots (it and the spare), not L; all of them L + 1."""
     _, _, params, config = model
-    from gpt2_jax.inspect.hooks import Tap
+    from gpt2_jax.interp.hooks import Tap
 
     one = Tap(None, ["blocks.1.attn.hook_pattern"], config).new_store(2, 12, 12)
     every = Tap(None, [n for n in inspect.hook_names(config) if n.endswith("pattern")], config).new_store(2, 12, 12)

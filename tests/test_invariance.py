@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import gpt2_jax
-from gpt2_jax.generate import generate
+from gpt2_jax.generation.generator import generate
 from tests.reference import hf_logits, make_hf_model, saved_and_loaded
 
 # gpt2's widths (12 heads of 64, the full vocab), two layers to keep the suite fast.
@@ -129,7 +129,7 @@ def test_without_the_kernels_decode_still_equals_a_full_forward(model, batch_run
     from gpt2_jax import kernels
 
     _, params, config = model
-    monkeypatch.setattr(kernels, "_REGISTERED", False)
+    monkeypatch.setattr(kernels.ffi, "_REGISTERED", False)
     jax.clear_caches()  # programs traced with the kernels must not be reused (nor these, after)
     try:
         assert kernels.available() is None

@@ -104,7 +104,7 @@ def test_the_avx2_path_rounds_exactly_like_the_avx512_path(tmp_path):
 
 def test_model_matmuls_go_through_rowdot():
     """layers.matmul on float32 operands is the kernel (its bits), for one row as for many."""
-    from gpt2_jax.layers import matmul
+    from gpt2_jax.model.layers import matmul
 
     rng = np.random.default_rng(4)
     x = rng.standard_normal((2, 3, 768), np.float32)
@@ -117,11 +117,11 @@ def test_model_matmuls_go_through_rowdot():
 
 
 def test_without_the_kernel_matmul_is_xla_in_its_row_count_independent_form(monkeypatch):
-    """The fallback (no compiler at install, or a CPU without AVX2): XLA's matmul, with a lone row
-    computed as two, still gives a row the same bits alone as among others."""
-    from gpt2_jax.layers import matmul
+    """The fallback (no compiler at install, or a CPU without AVX2): XLA's matmul, with fewer than
+    XLA_MIN_ROWS rows padded, still gives a row the same bits alone as among others."""
+    from gpt2_jax.model.layers import matmul
 
-    monkeypatch.setattr(kernels, "_REGISTERED", False)
+    monkeypatch.setattr(kernels.ffi, "_REGISTERED", False)
     assert kernels.available() is None
     rng = np.random.default_rng(5)
     x = rng.standard_normal((9, 768), np.float32)
@@ -130,6 +130,42 @@ def test_without_the_kernel_matmul_is_xla_in_its_row_count_independent_form(monk
     one = jax.jit(lambda a, b: matmul(a, b))(x[:1], w)
     assert (bits(one) == bits(many[:1])).all()
     np.testing.assert_allclose(many, x.astype(np.float64) @ w.T, rtol=1e-4, atol=1e-3)
+
+
+def test_bfloat16_matmul_gives_a_row_the_same_bits_for_any_row_count():
+    """bfloat16 weights run on XLA's matmul (not the float32 kernels). On a Xeon with AMX its bfloat16 kernel
+    rounds 1 and 2 rows differently from 3 or more (seen 2026-12-02: the served bundled model's logprobs
+    then changed with the number of busy slots), so fewer than XLA_MIN_ROWS rows are padded."""
+    from gpt2_jax.model.layers import XLA_MIN_ROWS, matmul
+
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((64, 128)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((384, 128)), jnp.bfloat16)
+    f = jax.jit(matmul)
+    ref = bits(f(x, w)[:1])
+    for rows in (1, 2, 3, 5, 8, 17):
+        assert (bits(f(x[:rows], w)[:1]) == ref).all(), rows
+    raw = jax.jit(lambda a, b: jnp.einsum("MI,NI->MN", a, b, preferred_element_type=jnp.float32))
+    assert XLA_MIN_ROWS >= 3 and (bits(raw(x[:XLA_MIN_ROWS], w)[:1]) == ref).all()
+
+
+def test_without_the_kernels_on_the_cpu_a_warning_says_so_once(monkeypatch):
+    """Every speed figure assumes the kernels: running without them warns once per process, naming why
+    and how to build them."""
+    import warnings
+
+    from gpt2_jax.model.layers import matmul
+
+    monkeypatch.setattr(kernels.ffi, "_REGISTERED", False)
+    monkeypatch.setattr(kernels.ffi, "_WARNED", False)
+    x, w = np.ones((2, 32), np.float32), np.ones((8, 32), np.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jax.jit(matmul)(x, w)
+        jax.jit(lambda a, b: matmul(a, b) + 1)(x, w)
+    mine = [c for c in caught if "without its kernels" in str(c.message)]
+    assert len(mine) == 1 and issubclass(mine[0].category, RuntimeWarning)
+    assert "g++" in str(mine[0].message) and kernels.why_unavailable() is not None
 
 
 def test_an_entry_of_a_stacked_array_is_read_in_place_with_the_same_bits_as_its_slice():

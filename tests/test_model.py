@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import gpt2_jax
-from gpt2_jax.layers import block, layer_norm, mlp
-from gpt2_jax.model import _forward, embed
+from gpt2_jax.model.gpt2 import _forward, embed
+from gpt2_jax.model.layers import block, layer_norm, mlp
 from tests.reference import exact_logits, hf_logits, make_hf_model, random_tokens, rel_err, saved_and_loaded
 
 SHAPE = dict(n_layer=2, n_head=3, n_embd=48, vocab_size=101, n_positions=64)

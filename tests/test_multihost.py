@@ -19,8 +19,8 @@ import optax
 import pytest
 
 import gpt2_jax
-from gpt2_jax import checkpoint
-from gpt2_jax.train import init_state, make_train_step
+from gpt2_jax.checkpoints import native as checkpoint
+from gpt2_jax.training.step import init_state, make_train_step
 from tests.multihost_worker import BATCH, PROMPTS, SAMPLED, TOKENS
 from tests.reference import make_hf_model, prepared_text, rel_err, saved_and_loaded
 
@@ -117,8 +117,8 @@ def test_a_drawn_seed_is_process_0s_everywhere(model):
 
 
 def test_training_across_two_processes_matches_one_and_resumes(tmp_path):
-    from gpt2_jax.train import Hyper
-    from gpt2_jax.trainer import train
+    from gpt2_jax.training.loop import train
+    from gpt2_jax.training.step import Hyper
 
     data = str(prepared_text(tmp_path))
     config = gpt2_jax.GPT2Config(n_layer=1, n_head=2, n_embd=32, n_positions=64, embd_pdrop=0.0, attn_pdrop=0.0,

@@ -8,13 +8,13 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from gpt2_jax import convert
-from gpt2_jax.cli import build_parser
+from gpt2_jax.cli import convert
+from gpt2_jax.cli.parser import build_parser
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
 # image/png outputs each must show: one per plotting cell (a backend switched off draws none).
 FIGURES = {"01_architecture": 1, "02_mlp_and_gelu": 2, "03_attention_and_kv_cache": 4, "04_sampling": 2,
-           "05_convert_and_generate": 0, "06_training": 1, "07_logits_processors": 7,
+           "05_convert_and_generate": 1, "06_training": 1, "07_logits_processors": 7,
            "08_determinism": 3, "09_inside_gpt2": 6, "10_speculative_decoding": 1}  # fmt: skip
 
 

@@ -8,7 +8,7 @@ import safetensors.torch
 import torch
 
 import gpt2_jax
-from gpt2_jax.convert import main as convert_main
+from gpt2_jax.cli.convert import main as convert_main
 from tests.reference import (
     exact_logits,
     hf_logits,

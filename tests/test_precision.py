@@ -9,9 +9,9 @@ import pytest
 import gpt2_jax
 from gpt2_jax.cli import main
 from gpt2_jax.errors import ConfigError
-from gpt2_jax.generate import generate
-from gpt2_jax.precision import quantize, quantize_int8, with_precision
-from gpt2_jax.sharding import make_mesh, shard_params
+from gpt2_jax.generation.generator import generate
+from gpt2_jax.model.precision import quantize, quantize_int8, with_precision
+from gpt2_jax.parallel.sharding import make_mesh, shard_params
 from tests.reference import hf_logits, make_hf_model, random_tokens, rel_err, saved_and_loaded
 
 

@@ -13,7 +13,7 @@ from transformers import (
 )
 
 from gpt2_jax import ConfigError, sampling
-from gpt2_jax.generate import _generate, generate
+from gpt2_jax.generation.generator import _generate, generate
 from tests.reference import hf_logits, make_hf_model, saved_and_loaded
 
 SHAPE = dict(n_layer=2, n_head=3, n_embd=48, vocab_size=101, n_positions=64)

@@ -28,11 +28,15 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from gpt2_jax import generate, load, tokenizer  # noqa: E402
-from gpt2_jax.cli import BUNDLED_MODEL  # noqa: E402
-from gpt2_jax.complete import completions  # noqa: E402
-from gpt2_jax.generate import GenerateResult  # noqa: E402
-from gpt2_jax.stops import StopMatcher  # noqa: E402
+from gpt2_jax import (  # noqa: E402
+    BUNDLED_MODEL,
+    generate,
+    load,
+    tokenizer,
+)
+from gpt2_jax.generation.completion import completions  # noqa: E402
+from gpt2_jax.generation.generator import GenerateResult  # noqa: E402
+from gpt2_jax.generation.stop_strings import StopMatcher  # noqa: E402
 
 MODEL = "shakespeare"
 SERVE_ARGS = ["--max-batch", "4", "--max-queue", "8", "--max-seq", "128"]
@@ -150,7 +154,7 @@ def expected(model, ids, seed, index, max_tokens, stop=None, **options):
     n = int(g.lengths[0])
     finish, hit = g.finish_reason[0], None
     if stop:
-        matcher = StopMatcher([stop] if isinstance(stop, str) else list(stop), 1, enc.decode_single_token_bytes)
+        matcher = StopMatcher([[stop] if isinstance(stop, str) else list(stop)], enc.decode_single_token_bytes)
         for k in range(n):
             hit = matcher.feed(0, [int(g.tokens[0, k])])
             if hit is not None:
@@ -158,7 +162,7 @@ def expected(model, ids, seed, index, max_tokens, stop=None, **options):
                 break
     result = GenerateResult(g.tokens[:, :n], np.array([n]), g.logprobs[:, :n], [finish], [hit and hit.stop],
                             g.top_ids[:, :n], g.top_logprobs[:, :n])  # fmt: skip
-    return completions(result, enc, {config.eos_id})[0]
+    return completions(result, enc, [{config.eos_id}])[0]
 
 
 def bits(values):

@@ -11,14 +11,14 @@ import pytest
 from jax.sharding import NamedSharding
 
 import gpt2_jax
-from gpt2_jax import checkpoint
+from gpt2_jax.checkpoints import native as checkpoint
 from gpt2_jax.cli import main
 from gpt2_jax.errors import ConfigError
-from gpt2_jax.generate import generate, generate_stream, prefill
-from gpt2_jax.model import _forward
-from gpt2_jax.params import stack_layers, unstack_layers
-from gpt2_jax.sharding import make_mesh, on_mesh, param_shardings, parse_mesh, shard_params
-from gpt2_jax.train import Hyper, init_state, make_optimizer, make_train_step
+from gpt2_jax.generation.generator import generate, generate_stream, prefill
+from gpt2_jax.model.gpt2 import _forward
+from gpt2_jax.model.params import stack_layers, unstack_layers
+from gpt2_jax.parallel.sharding import make_mesh, on_mesh, param_shardings, parse_mesh, shard_params
+from gpt2_jax.training.step import Hyper, init_state, make_optimizer, make_train_step
 from tests.reference import hf_logits, make_hf_model, random_tokens, rel_err, saved_and_loaded
 
 MESHES = [(8, 1), (1, 8), (2, 4), (4, 2)]

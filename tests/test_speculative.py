@@ -13,9 +13,18 @@ import numpy as np
 import pytest
 import torch
 
-from gpt2_jax import ConfigError, constraints, generate, generate_stream, init_params, load, sampling, tokenizer
-from gpt2_jax.cli import BUNDLED_MODEL
-from gpt2_jax.speculative import prompt_lookup, speculate_chunk
+from gpt2_jax import (
+    BUNDLED_MODEL,
+    ConfigError,
+    constraints,
+    generate,
+    generate_stream,
+    init_params,
+    load,
+    sampling,
+    tokenizer,
+)
+from gpt2_jax.generation.speculative import prompt_lookup, speculate_chunk
 from tests.reference import make_hf_model, saved_and_loaded
 
 SHAPE = dict(n_layer=2, n_head=3, n_embd=48, vocab_size=101, n_positions=96)

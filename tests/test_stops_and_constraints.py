@@ -7,9 +7,8 @@ import jax
 import numpy as np
 import pytest
 
-from gpt2_jax import ConfigError, complete, constraints, generate, generate_stream, load, tokenizer
-from gpt2_jax.cli import BUNDLED_MODEL
-from gpt2_jax.generate import _generate
+from gpt2_jax import BUNDLED_MODEL, ConfigError, complete, constraints, generate, generate_stream, load, tokenizer
+from gpt2_jax.generation.generator import _generate
 
 N = 40
 

@@ -19,7 +19,7 @@ import torch
 
 import gpt2_jax
 from gpt2_jax import CheckpointError
-from gpt2_jax.convert import main as convert_main
+from gpt2_jax.cli.convert import main as convert_main
 from tests.reference import hf_logits, hf_state, make_hf_model, random_tokens, rel_err, save_bin_dir, save_nanogpt
 
 BIG = dict(n_layer=4, n_head=16, n_embd=1024, vocab_size=50257, n_positions=1024)
@@ -29,7 +29,7 @@ MEASURE = """
 import json, sys
 import jax, jax.numpy as jnp, numpy as np, torch
 import gpt2_jax
-from gpt2_jax.convert import convert
+from gpt2_jax.checkpoints.conversion import convert
 jnp.zeros(1).block_until_ready()  # the backend's own memory belongs to the baseline
 status = lambda key: int(open("/proc/self/status").read().split(key + ":")[1].split()[0]) * 1024
 base = status("VmRSS")
@@ -139,7 +139,7 @@ def test_a_checkpoint_reads_each_stored_leaf_once(tmp_path, monkeypatch):
     decodes each stored leaf once. Checkpoints store each block tensor stacked [L, ...] as one chunk;
     per-layer params must come from one read of it (reading it layer by layer decoded the whole chunk
     L times: 236 s for gpt2-xl), and equal the stacked restore's slices bit for bit."""
-    from gpt2_jax import checkpoint
+    from gpt2_jax.checkpoints import native as checkpoint
 
     model = make_hf_model(seed=4, n_layer=3, n_head=2, n_embd=32, vocab_size=50, n_positions=16)
     model.save_pretrained(tmp_path / "hf")
@@ -201,7 +201,7 @@ def test_safetensors_dtype_we_cannot_read_names_the_tensor(tmp_path):
 def test_transposed_and_torch_sources_stream_into_a_mesh(tmp_path, fmt):
     """Each device's shard is read on its own (c_attn's q|k|v split by heads, nanoGPT's transposed
     Linears), and equals the HF safetensors load (parity-tested against transformers)."""
-    from gpt2_jax.sharding import make_mesh, param_shardings
+    from gpt2_jax.parallel.sharding import make_mesh, param_shardings
 
     model = make_hf_model(seed=10, n_layer=2, n_head=4, n_embd=32, vocab_size=64, n_positions=16)
     model.save_pretrained(tmp_path / "hf")

@@ -10,14 +10,14 @@ import torch
 
 import gpt2_jax
 from gpt2_jax.cli import main
-from gpt2_jax.data import DataError, TokenData, prepare
 from gpt2_jax.errors import ConfigError, GPT2JaxError
-from gpt2_jax.layers import attend, attend_causal, causal_mask, dropout
-from gpt2_jax.loss import head_loss
-from gpt2_jax.params import from_tree
-from gpt2_jax.sharding import make_mesh
-from gpt2_jax.train import Hyper, decay_mask, init_state, loss_fn, make_optimizer, make_train_step
-from gpt2_jax.trainer import train
+from gpt2_jax.model.layers import attend, attend_causal, causal_mask, dropout
+from gpt2_jax.model.params import from_tree
+from gpt2_jax.parallel.sharding import make_mesh
+from gpt2_jax.training.data import DataError, TokenData, prepare
+from gpt2_jax.training.loop import train
+from gpt2_jax.training.loss_head import head_loss
+from gpt2_jax.training.step import Hyper, decay_mask, init_state, loss_fn, make_optimizer, make_train_step
 from tests.reference import make_hf_model, prepared_text, rel_err, saved_and_loaded
 
 SHAPE = dict(n_layer=2, n_head=3, n_embd=48, vocab_size=101, n_positions=32)
@@ -333,7 +333,7 @@ def test_bad_training_input(data_dir, tmp_path, capsys):
 
 
 def test_recent_rate_leaves_out_the_compiling_first_step():
-    from gpt2_jax.trainer import RecentRate
+    from gpt2_jax.training.loop import RecentRate
 
     rate = RecentRate(window=3)
     rate.add(12.0, 100)  # the first step: compile included
@@ -372,7 +372,7 @@ def test_init_config_mismatch(data_dir, tmp_path, capsys):
 def test_bundled_model_predicts_shakespeare():
     """The shipped model is trained: a famous passage scores far below a random model's log V.
     (Its val loss against the unigram baseline is computed in notebooks/06_training.)"""
-    from gpt2_jax.cli import BUNDLED_MODEL
+    from gpt2_jax import BUNDLED_MODEL
 
     params, config = gpt2_jax.load(BUNDLED_MODEL)
     enc = gpt2_jax.tokenizer()

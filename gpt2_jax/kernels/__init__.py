@@ -7,7 +7,7 @@
 Why: XLA's CPU matmul chooses its kernel, and so its rounding, by shape: one row, a few rows and many
 rows each round differently. A token's logits would then change with its batch, and a decode step
 (M = B rows) would not reproduce a forward over the same sequence (M = B x T rows). Both kernels (C++:
-the arithmetic in rowdot.h and chain.h, called from rowdot.cc through XLA's FFI on XLA's own threads)
+the arithmetic in rowdot.h and chain.h, called from cpu.cc through XLA's FFI on XLA's own threads)
 compute each output by the same instructions whatever M is:
   rowdot  one dot product: 16 lane-wise accumulators in k order, then one fixed tree over the lanes. It
           streams [out, in] weights at close to the memory's speed for a decode step's few rows.
@@ -25,211 +25,24 @@ Where they do not apply, they are XLA's matmul: on GPU/TPU, inside a mesh (see l
 the extension was not built (no C++ compiler at install time) or the CPU lacks AVX2/FMA. `available()`
 says which. Gradients are XLA's matmuls: gradients are compared to a tolerance, never bitwise across
 batch shapes.
+
+  ffi.py        the XLA FFI targets, rowdot / chain / cumsum and their custom VJPs
+  invariance.py what else keeps a row's bits batch-independent on XLA's CPU backend (row padding)
+  cpu.cc        the Python module and FFI handlers; the arithmetic is rowdot.h and chain.h
 """
 
-from __future__ import annotations
+from gpt2_jax.kernels.ffi import Entry, available, chain, cumsum, fits, rowdot, why_unavailable
+from gpt2_jax.kernels.invariance import MIN_REDUCE, min_rows, pad_rows
 
-import functools
-from typing import NamedTuple
-
-import jax
-import jax.numpy as jnp
-import numpy as np
-
-F32 = jnp.float32
-TARGET = "gpt2_jax_rowdot"
-
-try:
-    from gpt2_jax.kernels import _rowdot
-except ImportError:  # built without a compiler: XLA's matmul everywhere
-    _rowdot = None
-
-_REGISTERED = False
-if _rowdot is not None and _rowdot.usable():
-    for _suffix, _handler in (("", _rowdot.handler), ("_at", _rowdot.handler_at), ("_ends", _rowdot.handler_ends),
-                              ("_at_ends", _rowdot.handler_at_ends), ("_chain", _rowdot.handler_chain),
-                              ("_chain_at", _rowdot.handler_chain_at), ("_cumsum", _rowdot.handler_cumsum)):  # fmt: skip
-        jax.ffi.register_ffi_target(TARGET + _suffix, _handler(), platform="cpu")
-    _REGISTERED = True
-
-NONE, OUTPUTS, INPUTS = 0, 1, 2  # what a row's end bounds (rowdot::Ends in rowdot.h)
-
-
-class Entry(NamedTuple):
-    """Entry `index` of a stacked array, e.g. one layer of the KV cache, as a kernel's w: the kernel reads
-    it where it lies, where slicing it out first (any XLA op on it) would copy it."""
-
-    stacked: jax.Array  # [L, ...]
-    index: jax.Array  # [] int32
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.stacked.shape[1:]
-
-    @property
-    def dtype(self):
-        return self.stacked.dtype
-
-    def get(self) -> jax.Array:
-        """The entry as an array of its own (a copy)."""
-        return jax.lax.dynamic_index_in_dim(self.stacked, self.index, keepdims=False)
-
-
-def available() -> str | None:
-    """The instruction set the kernels run with on this CPU ("avx512" or "avx2"), or None where XLA's
-    matmul stands in (extension not built, or a CPU without AVX2 and FMA)."""
-    return _rowdot.isa() if _REGISTERED else None
-
-
-def fits(*operands) -> bool:
-    """Whether a product of these operands runs in the kernels: all float32, the extension built for this
-    CPU, and no mesh (XLA cannot split a custom call; a sharded product is XLA's)."""
-    return available() is not None and jax.sharding.get_abstract_mesh().empty and all(a.dtype == F32 for a in operands)
-
-
-def rowdot(
-    x: jax.Array, w: jax.Array | Entry, *, out_ends: jax.Array | None = None, in_ends: jax.Array | None = None
-) -> jax.Array:
-    """x [..., M, I] float32 @ w [..., N, I].T float32 -> [..., M, N] float32, each output rounded the same
-    way for any M. w is 2-D (shared by every leading index of x) or has x's leading dims; an Entry is
-    read in place (not differentiable: it serves the KV cache).
-
-    Work a row does not need can be skipped without changing any output it does need, through one int32
-    per row, [..., M] (x's dims but the last):
-      out_ends: outputs y[m, n] with n >= out_ends[m] are not needed; they come back as 0.
-      in_ends:  a promise that x[m, i] == 0 for i >= in_ends[m]; those products are skipped (each would
-                add an exact zero to its dot product, so the bits do not change).
-    """
-    return _product(False, x, w, out_ends, in_ends)
-
-
-def chain(
-    x: jax.Array, w: jax.Array | Entry, *, out_ends: jax.Array | None = None, in_ends: jax.Array | None = None
-) -> jax.Array:
-    """x [..., M, I] float32 @ w [..., I, N] float32 -> [..., M, N] float32, each output one fused
-    multiply-add chain over i in order (acc = fma(x[m, i], w[i, n], acc)), so rounded the same way for
-    any M. Otherwise as rowdot (w's layout aside)."""
-    return _product(True, x, w, out_ends, in_ends)
-
-
-def _product(is_chain: bool, x, w, out_ends, in_ends) -> jax.Array:
-    if out_ends is not None and in_ends is not None:
-        raise ValueError("take out_ends or in_ends, not both")
-    ends, mode = (out_ends, OUTPUTS) if out_ends is not None else (in_ends, INPUTS if in_ends is not None else NONE)
-    if ends is not None:
-        ends = jnp.broadcast_to(jnp.asarray(ends, jnp.int32), x.shape[:-1])
-    elif is_chain:
-        ends = jnp.zeros(x.shape[:-1], jnp.int32)  # chain's targets always take ends; NONE ignores them
-    if isinstance(w, Entry):
-        return _entry(is_chain, x, w, ends, mode)
-    if ends is None:
-        return _dense(x, w)
-    return _dense_ends(x, w, ends, mode, is_chain)
-
-
-def cumsum(x: jax.Array, other) -> jax.Array:
-    """x [..., N] float32 -> [..., N]: each prefix sum accumulated in float64 and rounded to float32 (as
-    torch's CPU cumsum does), one sequential pass per row; `other(x)` where the kernel does not run (not
-    built, or not the compiling platform; inside a mesh, where XLA cannot split it, see `fits`)."""
-    if not _REGISTERED:
-        return other(x)
-
-    def kernel(x):
-        return jax.ffi.ffi_call(TARGET + "_cumsum", jax.ShapeDtypeStruct(x.shape, F32), vmap_method="broadcast_all")(x)
-
-    return jax.lax.platform_dependent(x, cpu=kernel, default=other)
-
-
-def _einsum(x: jax.Array, w: jax.Array, is_chain: bool = False) -> jax.Array:
-    w = w if is_chain else jnp.swapaxes(w, -1, -2)
-    return jnp.matmul(x, w, preferred_element_type=F32)  # leading dims broadcast
-
-
-def _masked(y: jax.Array, ends: jax.Array | None, mode: int) -> jax.Array:
-    """The outputs the kernels skip under out_ends, as 0 (XLA's stand-in, and the gradient's mask)."""
-    if ends is None or mode != OUTPUTS:
-        return y
-    return jnp.where(jnp.arange(y.shape[-1]) < ends[..., None], y, 0.0)
-
-
-def _out_shape(x, w_shape, is_chain: bool) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct((*x.shape[:-1], w_shape[-1] if is_chain else w_shape[-2]), F32)
-
-
-def _entry(is_chain: bool, x: jax.Array, w: Entry, ends: jax.Array | None, mode: int) -> jax.Array:
-    if is_chain:
-        name = TARGET + "_chain_at"
-    else:
-        name = TARGET + ("_at" if ends is None else "_at_ends")
-
-    def kernel(x, stacked, index, *ends):
-        call = jax.ffi.ffi_call(name, _out_shape(x, stacked.shape, is_chain), vmap_method="sequential")
-        return call(x, stacked, index, *ends, **({} if not ends else {"mode": np.int32(mode)}))
-
-    def other(x, stacked, index, *ends):
-        return _masked(_einsum(x, Entry(stacked, index).get(), is_chain), ends[0] if ends else None, mode)
-
-    index = jnp.asarray(w.index, jnp.int32)
-    args = (x, w.stacked, index) + (() if ends is None else (ends,))
-    if not _REGISTERED:
-        return other(*args)
-    return jax.lax.platform_dependent(*args, cpu=kernel, default=other)
-
-
-def _primal(x: jax.Array, w: jax.Array) -> jax.Array:
-    def kernel(x, w):
-        # Under vmap, an unbatched operand gets a leading 1 and the kernel broadcasts it (no copies).
-        return jax.ffi.ffi_call(TARGET, _out_shape(x, w.shape, False), vmap_method="expand_dims")(x, w)
-
-    if not _REGISTERED:
-        return _einsum(x, w)
-    # The kernel on CPU, XLA's matmul elsewhere; only the branch for the compiling platform is lowered.
-    return jax.lax.platform_dependent(x, w, cpu=kernel, default=_einsum)
-
-
-def _primal_ends(x: jax.Array, w: jax.Array, ends: jax.Array, mode: int, is_chain: bool) -> jax.Array:
-    def kernel(x, w, ends):
-        name = TARGET + ("_chain" if is_chain else "_ends")
-        call = jax.ffi.ffi_call(name, _out_shape(x, w.shape, is_chain), vmap_method="broadcast_all")
-        return call(x, w, ends, mode=np.int32(mode))
-
-    def other(x, w, ends):
-        return _masked(_einsum(x, w, is_chain), ends, mode)
-
-    if not _REGISTERED:
-        return other(x, w, ends)
-    return jax.lax.platform_dependent(x, w, ends, cpu=kernel, default=other)
-
-
-def _grads(x, w, g, is_chain: bool):
-    """d/dx and d/dw of y = x @ w.T (rowdot) or x @ w (chain), given dy = g; a shared 2-D w sums over the batch."""
-    lead = "" if w.ndim == 2 else "..."
-    dx = jnp.einsum("...MN,...KN->...MK" if is_chain else "...MN,...NK->...MK", g, w, preferred_element_type=F32)
-    dw = jnp.einsum(f"...MK,...MN->{lead}KN" if is_chain else f"...MN,...MK->{lead}NK", *((x, g) if is_chain else (g, x)),
-                    preferred_element_type=F32)  # fmt: skip
-    return dx.astype(x.dtype), dw.astype(w.dtype)
-
-
-@jax.custom_vjp
-def _dense(x: jax.Array, w: jax.Array) -> jax.Array:
-    return _primal(x, w)
-
-
-_dense.defvjp(lambda x, w: (_primal(x, w), (x, w)), lambda res, g: _grads(*res, g, False))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _dense_ends(x: jax.Array, w: jax.Array, ends: jax.Array, mode: int, is_chain: bool) -> jax.Array:
-    return _primal_ends(x, w, ends, mode, is_chain)
-
-
-def _fwd_ends(x, w, ends, mode, is_chain):
-    return _primal_ends(x, w, ends, mode, is_chain), (x, w, ends)
-
-
-def _bwd_ends(mode, is_chain, res, g):
-    x, w, ends = res
-    return (*_grads(x, w, _masked(g, ends, mode), is_chain), None)  # skipped outputs are constant zeros
-
-
-_dense_ends.defvjp(_fwd_ends, _bwd_ends)
+__all__ = [
+    "MIN_REDUCE",
+    "Entry",
+    "available",
+    "chain",
+    "cumsum",
+    "fits",
+    "min_rows",
+    "pad_rows",
+    "rowdot",
+    "why_unavailable",
+]

@@ -1,5 +1,5 @@
 // rowdot's arithmetic: tiles, blocks and the per-CPU choice of instructions (no XLA, no Python), so a
-// plain C++ program can time it too. rowdot.cc calls it from XLA's FFI.
+// plain C++ program can time it too. cpu.cc calls it from XLA's FFI.
 #pragma once
 
 #include <immintrin.h>

@@ -1,12 +1,16 @@
-"""Next-token sampling: logits processors, then temperature, top-k, top-p and min-p, then one keyed draw per row.
+"""Choosing the next token: SamplingParams, the logits processors, then temperature, top-k, top-p and min-p,
+then one keyed draw per row; and constrained decoding.
 
-processors.py the logits processors (bias, penalties, banned n-grams/words, min new tokens) and their order
-options.py   their host-side checks and per-row packing; process_logits
-settings.py  RowSettings (one traced value per row), validation, row keys
-filters.py   the reference: apply_temperature, top_k_mask, top_p_mask, filter_logits, next_token_probs
-draw.py      the fast per-row programs (reusing those masks) and the path-independent inverse-CDF draw
+  params.py      SamplingParams: everything one request sets, checked in one place
+  processors.py  the logits processors (bias, penalties, banned n-grams/words, min new tokens) and their order
+  options.py     their per-row packing from SamplingParams; process_logits
+  settings.py    RowSettings (the warpers, one traced value per row), row keys
+  filters.py     the reference: apply_temperature, top_k_mask, top_p_mask, filter_logits, next_token_probs
+  draw.py        the fast per-row programs (reusing those masks) and the path-independent inverse-CDF draw
+  constraints/   regex / choice / JSON schema -> a token automaton -> device tables
 """
 
+from gpt2_jax.sampling import constraints
 from gpt2_jax.sampling.draw import (
     CANDIDATES,
     FULL,
@@ -30,7 +34,8 @@ from gpt2_jax.sampling.filters import (
     top_k_mask,
     top_p_mask,
 )  # fmt: skip
-from gpt2_jax.sampling.options import process_logits, processor_settings
+from gpt2_jax.sampling.options import pack_processors, process_logits, processor_settings
+from gpt2_jax.sampling.params import SamplingParams, sampling_rows
 from gpt2_jax.sampling.processors import (
     MAX_NGRAM,
     ProcessorSettings,
@@ -43,7 +48,7 @@ from gpt2_jax.sampling.processors import (
     early_stop_tokens,
     repeated_ngrams,
 )  # fmt: skip
-from gpt2_jax.sampling.settings import RowSettings, check_sampling_args, row_keys, row_settings
+from gpt2_jax.sampling.settings import RowSettings, check_sampling_args, pack_settings, row_keys, row_settings
 
 __all__ = [
     "CANDIDATES",
@@ -55,6 +60,7 @@ __all__ = [
     "ProcessorSettings",
     "ProcessorState",
     "RowSettings",
+    "SamplingParams",
     "apply_logit_bias",
     "apply_presence_frequency",
     "apply_processors",
@@ -63,6 +69,7 @@ __all__ = [
     "argmax",
     "bad_word_tokens",
     "check_sampling_args",
+    "constraints",
     "cumsum",
     "early_stop_tokens",
     "filter_logits",
@@ -70,6 +77,8 @@ __all__ = [
     "inverse_cdf",
     "min_p_mask",
     "next_token_probs",
+    "pack_processors",
+    "pack_settings",
     "process_logits",
     "processor_settings",
     "repeated_ngrams",
@@ -78,6 +87,7 @@ __all__ = [
     "row_settings",
     "sample",
     "sample_rows",
+    "sampling_rows",
     "token_logprobs",
     "top_k_mask",
     "top_p_mask",

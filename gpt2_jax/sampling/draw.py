@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gpt2_jax.numerics import min_rows, pad_rows
+from gpt2_jax.kernels.invariance import min_rows, pad_rows
 from gpt2_jax.sampling.filters import (
     apply_temperature,
     check_logits,
@@ -111,7 +111,7 @@ def sample_rows(keys: jax.Array, logits: jax.Array, settings: RowSettings, n_val
     """One key per row [B], logits [B, V] -> tokens [B] int32, each row from softmax(filter_logits(...))
     (greedy rows: the argmax); no checks, jit/scan-safe. See the module docstring for the programs."""
     b, v = logits.shape
-    rows = min_rows(b, v)  # reductions round alike for 1 row or many (see gpt2_jax.numerics)
+    rows = min_rows(b, v)  # reductions round alike for 1 row or many (see gpt2_jax.kernels.invariance)
     keys, logits, settings = jax.tree.map(lambda x: pad_rows(x, rows), (keys, logits, settings))
     program = row_programs(settings, v, n_valid)
     greedy, plain = program == GREEDY, program == PLAIN

@@ -10,7 +10,7 @@ They run on the raw next-token logits [B, V], per row, before the sampler's warp
   4. no_repeat_ngram     -inf for a token that would repeat an n-gram of prompt + output (HF)
   5. bad_words_ids       -inf for a sequence's last token when its prefix ends the text (HF)
   6. min_new_tokens      -inf for EOS and the stop ids until that many tokens are generated (HF)
-  7. constraint          -inf for a token the row's automaton does not allow (gpt2_jax.constraints)
+  7. constraint          -inf for a token the row's automaton does not allow (gpt2_jax.sampling.constraints)
 then the warpers of gpt2_jax.sampling.filters: temperature -> top-k -> top-p -> min-p (transformers' order).
 When 4-6 would leave a row no token at all, they are lifted for that step (transformers would sample
 from NaNs); a constraint's mask (7) never is, so its guarantee holds.
@@ -93,7 +93,7 @@ def _scatter_tokens(ids: jax.Array, hit: jax.Array, v: int) -> jax.Array:
 
 
 def repeated_ngrams(history: jax.Array, length: jax.Array, n: jax.Array, v: int) -> jax.Array:
-    """transformers' NoRepeatNGramLogitsProcessor -> banned [B, V]: with the text history[:length] [B, S],
+    """transformers' NoRepeatNGramLogitsProcessor -> banned [B, V]: with the text history[:length] (history [B, S]),
     a token t is banned when (last n-1 tokens, t) already occurs as an n-gram of the text. n [B], 0 = off."""
     b, s = history.shape
     i = jnp.arange(MAX_NGRAM - 1)
@@ -123,10 +123,10 @@ def bad_word_tokens(history: jax.Array, length: jax.Array, words: jax.Array, wor
 
 
 def early_stop_tokens(generated: jax.Array, min_new: jax.Array, stop_ids: jax.Array, v: int) -> jax.Array:
-    """transformers' MinNewTokensLengthLogitsProcessor -> banned [B, V]: the stop ids [P] (EOS among them,
-    -1 = unused) while a row has generated fewer than min_new [B] tokens."""
-    early = (generated < min_new)[:, None] & (stop_ids >= 0)[None, :]
-    return _scatter_tokens(jnp.broadcast_to(stop_ids, early.shape), early, v)
+    """transformers' MinNewTokensLengthLogitsProcessor -> banned [B, V]: each row's stop ids [B, P] (its EOS
+    among them, -1 = unused) while it has generated fewer than min_new [B] tokens."""
+    early = (generated < min_new)[:, None] & (stop_ids >= 0)
+    return _scatter_tokens(stop_ids, early, v)
 
 
 def apply_processors(

@@ -6,6 +6,7 @@ program, and a new value never recompiles.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -13,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gpt2_jax.errors import ConfigError
-from gpt2_jax.sampling.options import check_row_values, row_scalar
+from gpt2_jax.sampling.params import SamplingParams, check_values
 
 
 class RowSettings(NamedTuple):
@@ -33,21 +34,17 @@ def _is_tracer(x: Any) -> bool:
 
 
 def check_sampling_args(temperature: Any, top_k: Any, top_p: Any, batch_size: int) -> None:
-    """Raise ConfigError for a bad setting; each is a scalar or one value per row [B]. Tracers are skipped."""
-    rules = {
-        "temperature": ("a finite number >= 0 (0 means greedy)", lambda v: np.isfinite(v) & (v >= 0)),
-        "top_k": ("an integer >= 0 (0 means off)", lambda v: v >= 0),
-        "top_p": ("a number in (0, 1] (1 means off)", lambda v: (v > 0) & (v <= 1)),
-    }
+    """Raise ConfigError for a bad setting (the rules are SamplingParams'); each is a scalar or one value per
+    row [B]. Tracers are skipped: inside a user's jit, values are unknown until run time."""
     for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p)):
-        if not _is_tracer(value):  # inside a user's jit, values are unknown until run time
-            check_row_values(name, value, batch_size, *rules[name], floats=name != "top_k")
+        if not _is_tracer(value):
+            check_values(name, value, batch_size)
 
 
 def row_settings(temperature: Any, top_k: Any, top_p: Any, batch_size: int, min_p: Any = 0.0) -> RowSettings:
     """Validate (when concrete) and broadcast scalar or [B] settings to RowSettings of [B] arrays."""
     check_sampling_args(temperature, top_k, top_p, batch_size)
-    min_p = min_p if _is_tracer(min_p) else row_scalar("min_p", min_p, batch_size)
+    min_p = min_p if _is_tracer(min_p) else check_values("min_p", min_p, batch_size)
     shape = (batch_size,)
 
     def rows(x, dtype):  # concrete values stay host arrays, so no eager op compiles per value
@@ -63,6 +60,12 @@ def row_settings(temperature: Any, top_k: Any, top_p: Any, batch_size: int, min_
     return RowSettings(
         rows(temperature, np.float32), rows(k, np.int32), rows(drop, np.float32), rows(min_p, np.float32)
     )
+
+
+def pack_settings(rows: Sequence[SamplingParams]) -> RowSettings:
+    """One SamplingParams per row -> the warpers' RowSettings (host arrays)."""
+    return row_settings(*(np.array([getattr(r, f) for r in rows]) for f in ("temperature", "top_k", "top_p")),
+                        len(rows), np.array([r.min_p for r in rows]))  # fmt: skip
 
 
 def row_keys(key: Any, batch_size: int) -> jax.Array:

@@ -28,9 +28,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gpt2_jax import constraints
 from gpt2_jax.errors import GPT2JaxError
-from gpt2_jax.prompts import bucket
+from gpt2_jax.generation import bucket
+from gpt2_jax.sampling import SamplingParams, constraints
 from gpt2_jax.serving.engine import Engine, Request
 from gpt2_jax.serving.jobs import MAX_LOGPROBS, Choice, EventStream, Job, Plan, prompt_logprobs, row_key
 from gpt2_jax.serving.metrics import Metrics
@@ -234,11 +234,13 @@ def warm_up(engine: Engine, *, constrained: bool = True, echo: bool = True, time
     t0 = time.perf_counter()
     config = engine.config
     lengths = sorted({bucket(n, config.n_positions) for n in range(1, engine.max_seq)})
-    runs: list[tuple[int, int, dict]] = [(min(b, engine.max_seq - 1), 0, {}) for b in lengths]
-    runs.append((1, MAX_LOGPROBS, {}))
+    runs: list[tuple[int, SamplingParams]] = [
+        (min(b, engine.max_seq - 1), SamplingParams(max_new_tokens=1)) for b in lengths
+    ]
+    runs.append((1, SamplingParams(max_new_tokens=1, logprobs=True, top_logprobs=MAX_LOGPROBS)))
     if constrained and config.eos_id is not None:
-        runs.append((1, 0, {"constraint": constraints.choice(["a", "b"])}))
-    for n, top, options in runs:
+        runs.append((1, SamplingParams(max_new_tokens=1, constraint=constraints.choice(["a", "b"]))))
+    for n, sampling in runs:
         if n < 1 or n + 1 > engine.max_seq:
             continue
         done = threading.Event()
@@ -249,7 +251,7 @@ def warm_up(engine: Engine, *, constrained: bool = True, echo: bool = True, time
                 result.append((kind, payload))
                 done.set()
 
-        engine.submit(Request([0] * n, 1, row_key(0, 0), options, on_event, top_logprobs=top))
+        engine.submit(Request([0] * n, sampling, row_key(0, 0), on_event))
         if not done.wait(timeout):
             raise GPT2JaxError(f"warm-up: the engine did not answer within {timeout:.0f} s")
         if result[0][0] == "error":

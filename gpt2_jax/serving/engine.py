@@ -28,14 +28,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gpt2_jax import constraints
 from gpt2_jax.config import GPT2Config
-from gpt2_jax.decode import TOP_LOGPROBS, DecodeState, Rules, decode_step, halt, prefill
 from gpt2_jax.errors import ConfigError, GPT2JaxError, InputError
-from gpt2_jax.generate import _prepare, _token_bytes
-from gpt2_jax.layers import KEY_BLOCK
-from gpt2_jax.params import Params
-from gpt2_jax.stops import StopMatcher
+from gpt2_jax.generation import (
+    TOP_LOGPROBS,
+    DecodeState,
+    Rules,
+    StopMatcher,
+    decode_step,
+    halt,
+    prefill,
+    prepare,
+    token_bytes,
+)
+from gpt2_jax.model import KEY_BLOCK, Params
+from gpt2_jax.sampling import SamplingParams, constraints
 
 MAX_LOGIT_BIAS_SLOTS = 512  # the engine's fixed logit_bias width (OpenAI allows 300 entries)
 MAX_BAD_WORDS, MAX_BAD_WORD_LEN = 16, 8
@@ -56,11 +63,9 @@ class Request:
     or ("error", exception)."""
 
     prompt: list
-    max_new_tokens: int
+    sampling: SamplingParams  # what generate would get for this row (its seed aside: the key below is used)
     key: Any  # this row's PRNG key (generate's row key: fold_in(request key, row index))
-    options: dict  # generate's per-row settings: temperature, top_p, repetition_penalty, constraint, stop, ...
     on_event: Callable[[str, Any], None]
-    top_logprobs: int = 0
     cancelled: bool = False
     prepared: Any = None  # generate's preparation of it, made by Engine.submit's check
     seed: int | None = None  # informational: the seed the key was made from, when there is one
@@ -145,7 +150,8 @@ class Engine:
     def _empty(self) -> None:
         """Every slot free: a state whose rows are all done, and neutral rules."""
         B = self.max_batch
-        prep = _prepare(self.params, self.config, [[0]] * B, jax.random.key(0), 1)
+        idle = [self.config.eos_id if self.config.eos_id is not None else 0]  # a halted slot's one token, never read
+        prep = prepare(self.params, self.config, [idle] * B, jax.random.key(0), [SamplingParams(max_new_tokens=1)] * B)
         rules = prep.rules
         procs = rules.processors._replace(
             bias_ids=_fit(rules.processors.bias_ids, (B, MAX_LOGIT_BIAS_SLOTS), "logit_bias"),
@@ -166,6 +172,7 @@ class Engine:
 
         jax.tree.map(put, self.rules_host.settings, rules.settings)
         jax.tree.map(put, self.rules_host.processors, rules.processors)
+        jax.tree.map(put, self.rules_host.stop, rules.stop)
 
     def _repack_constraints(self) -> None:
         """Re-pack the active slots' automata into one table; constrained rows keep their local state."""
@@ -181,11 +188,13 @@ class Engine:
     # ---- requests ------------------------------------------------------------------------------
     def check(self, request: Request) -> Any:
         """Validate a request as generate would (ConfigError / InputError) -> generate's preparation of it."""
-        if len(request.prompt) + request.max_new_tokens > self.max_seq:
-            raise InputError(f"{len(request.prompt)} prompt tokens + max_tokens={request.max_new_tokens} exceed "
+        n = request.sampling.max_new_tokens
+        if len(request.prompt) + n > self.max_seq:
+            raise InputError(f"{len(request.prompt)} prompt tokens + max_tokens={n} exceed "
                              f"this server's max_seq={self.max_seq}")  # fmt: skip
-        prep = _prepare(self.params, self.config, [request.prompt], request.key[None], request.max_new_tokens,
-                        top_logprobs=request.top_logprobs, **request.options)  # fmt: skip
+        prep = prepare(
+            self.params, self.config, [request.prompt], request.key[None], [request.sampling.replace(seed=None)]
+        )
         _fit(prep.rules.processors.bias_ids[:1], (1, MAX_LOGIT_BIAS_SLOTS), "logit_bias")
         _fit(prep.rules.processors.bad_words[:1], (1, MAX_BAD_WORDS, MAX_BAD_WORD_LEN), "bad words")
         return prep
@@ -216,16 +225,13 @@ class Engine:
             prep = request.prepared or self.check(request)
             row = prefill(self.params, prep.batch.tokens[:1], prep.batch.lengths[:1], prep.batch.keys[:1],
                           self.config, self.capacity)  # fmt: skip
-            c = request.options.get("constraint")
-            automaton = (
-                None
-                if c is None
-                else constraints.compile_constraint(c, self.config.vocab_size, int(self.rules_host.stop.eos_id))
-            )
+            c = request.sampling.constraint
+            eos = request.sampling.eos(self.config)
+            automaton = None if c is None else constraints.compile_constraint(c, self.config.vocab_size, eos)
         except Exception as e:
             _tell(request, "error", e)
             return
-        stops = StopMatcher(prep.stops, 1, _token_bytes(None)) if prep.stops else None
+        stops = StopMatcher(prep.stops, token_bytes(None)) if request.sampling.stop else None
         self.slots[b] = _Slot(request, 0, stops, automaton)
         self._set_row_rules(b, prep.rules)
         self.state = _insert(self.state, row, jnp.int32(b))
@@ -262,14 +268,14 @@ class Engine:
         active = [b for b, s in enumerate(self.slots) if s is not None]
         if not active:
             return False
-        r = TOP_LOGPROBS if any(self.slots[b].request.top_logprobs for b in active) else 0
+        r = TOP_LOGPROBS if any(self.slots[b].request.sampling.top_logprobs for b in active) else 0
         self.state, out = decode_step(self.params, self.state, self.rules, self.config, r)
         token, logprob = np.asarray(out.token), np.asarray(out.logprob)
         top_ids, top_lp = np.asarray(out.top_ids), np.asarray(out.top_logprobs)
         done = np.asarray(self.state.done)
         for b in active:
             slot = self.slots[b]
-            n = slot.request.top_logprobs
+            n = slot.request.sampling.top_logprobs
             slot.made += 1
             self.generated_tokens += 1
             _tell(slot.request, "token", (int(token[b]), float(logprob[b]), top_ids[b, :n].tolist(),
@@ -279,7 +285,7 @@ class Engine:
                 self._finish(b, "done", ("stop", hit.stop))
             elif done[b]:
                 self._finish(b, "done", ("stop", None))
-            elif slot.made >= slot.request.max_new_tokens:
+            elif slot.made >= slot.request.sampling.max_new_tokens:
                 self._finish(b, "done", ("length", None))
         return True
 

@@ -21,10 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 from fastapi.responses import StreamingResponse
 
-from gpt2_jax import constraints
 from gpt2_jax.errors import GPT2JaxError
+from gpt2_jax.generation import bucket
 from gpt2_jax.model import forward
-from gpt2_jax.prompts import bucket
+from gpt2_jax.sampling import SamplingParams, constraints
 from gpt2_jax.serving.engine import Cancelled, Engine, Request
 from gpt2_jax.serving.metrics import Metrics
 from gpt2_jax.serving.schema import ApiError, CompletionRequest
@@ -162,8 +162,6 @@ class Plan:
             raise ApiError(400, f"max_tokens must be >= 0, got {self.max_tokens}", param="max_tokens")
         self.echo = bool(req.echo)
         self.top_n = req.logprobs
-        if self.top_n is not None and not 0 <= self.top_n <= MAX_LOGPROBS:
-            raise ApiError(400, f"logprobs must be an int in [0, {MAX_LOGPROBS}], got {self.top_n}", param="logprobs")
         if req.seed is not None and not 0 <= req.seed < SEED_LIMIT:
             raise ApiError(400, f"seed must be an int in [0, 2**32), got {req.seed}", param="seed")
         self.seed = secrets.randbelow(2**31) if req.seed is None else req.seed
@@ -182,11 +180,11 @@ class Plan:
                 raise ApiError(400, f"prompt {p}: {len(ids)} prompt tokens + max_tokens={self.max_tokens} exceed "
                                     f"this server's max_seq={engine.max_seq}", param="max_tokens",
                                code="context_length_exceeded")  # fmt: skip
-        self.options = self._options(req)
-        if self.options.get("min_new_tokens", 0) > self.max_tokens:
+        self.sampling = self._sampling(req, self.max_tokens, self.top_n)
+        if self.sampling.min_new_tokens > self.max_tokens:
             raise ApiError(400, f"min_tokens={req.min_tokens} must be <= max_tokens={self.max_tokens}",
                            param="min_tokens")  # fmt: skip
-        self.stops = list(self.options.get("stop") or ())
+        self.stops = list(self.sampling.stop)
 
     @staticmethod
     def _prompts(prompt: Any, enc: Any, config: Any) -> tuple[list[list[int]], list[str]]:
@@ -214,9 +212,14 @@ class Plan:
         return ids, texts
 
     @staticmethod
-    def _options(req: CompletionRequest) -> dict:
-        """The request's settings as generate's keyword arguments (only those given)."""
-        o: dict[str, Any] = {}
+    def _sampling(req: CompletionRequest, max_tokens: int, top_n: int | None) -> SamplingParams:
+        """The request's settings as one SamplingParams (OpenAI's and vLLM's names mapped onto its fields;
+        it checks every range, and errors name the API's field)."""
+        o: dict[str, Any] = {
+            "max_new_tokens": max(max_tokens, 1),
+            "logprobs": top_n is not None,
+            "top_logprobs": top_n or 0,
+        }
         for api, ours in (("temperature", "temperature"), ("top_p", "top_p"), ("min_p", "min_p"),
                           ("repetition_penalty", "repetition_penalty"), ("presence_penalty", "presence_penalty"),
                           ("frequency_penalty", "frequency_penalty"), ("min_tokens", "min_new_tokens")):  # fmt: skip
@@ -226,19 +229,14 @@ class Plan:
         if req.top_k is not None:
             if req.top_k < -1:
                 raise ApiError(400, f"top_k must be -1 or 0 (off) or a positive int, got {req.top_k}", param="top_k")
-            o["top_k"] = max(req.top_k, 0)
+            o["top_k"] = max(req.top_k, 0)  # vLLM's -1 is our 0: off
         if req.stop is not None and req.stop != []:
             o["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
         if req.logit_bias:
-            bias = {}
-            for k, v in req.logit_bias.items():
-                if not re.fullmatch(r"[0-9]+", k):
-                    raise ApiError(400, f"logit_bias keys must be token ids, got {k!r}", param="logit_bias")
-                t = int(k)
-                if not -100 <= v <= 100:
-                    raise ApiError(400, f"logit_bias[{k}] must be in [-100, 100], got {v}", param="logit_bias")
-                bias[t] = v
-            o["logit_bias"] = bias
+            bad = [k for k in req.logit_bias if not re.fullmatch(r"[0-9]+", k)]
+            if bad:
+                raise ApiError(400, f"logit_bias keys must be token ids, got {bad[0]!r}", param="logit_bias")
+            o["logit_bias"] = {int(k): v for k, v in req.logit_bias.items()}
         given = [f for f in ("regex", "choice", "json_schema") if getattr(req, f) is not None]
         if len(given) > 1:
             raise ApiError(400, f"give at most one of regex, choice and json_schema, got {', '.join(given)}",
@@ -252,7 +250,7 @@ class Plan:
                 o["constraint"] = constraints.json_schema(req.json_schema)
         except GPT2JaxError as e:
             raise ApiError(400, str(e), param=given[0]) from None
-        return o
+        return SamplingParams(**o)
 
 
 class Job:
@@ -284,9 +282,8 @@ class Job:
         plan = self.plan
         try:
             for c in self.choices:
-                c.request = Request(plan.prompts[c.prompt_index], plan.max_tokens, row_key(plan.seed, c.index),
-                                    plan.options, self._callback(c.index), top_logprobs=plan.top_n or 0,
-                                    seed=plan.seed)  # fmt: skip
+                c.request = Request(plan.prompts[c.prompt_index], plan.sampling, row_key(plan.seed, c.index),
+                                    self._callback(c.index), seed=plan.seed)  # fmt: skip
                 if c.index % plan.n == 0:
                     engine.check(c.request)  # validate each prompt before queueing any row
             for c in self.choices:

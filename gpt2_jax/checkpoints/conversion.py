@@ -1,0 +1,31 @@
+"""Checkpoint conversion: any loadable GPT-2 checkpoint -> gpt2_jax (orbax) or a HuggingFace directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from gpt2_jax.checkpoints import hf, native
+from gpt2_jax.checkpoints.atomic import atomic_dir, check_writable_destination
+from gpt2_jax.checkpoints.loading import load, resolve_dtype
+from gpt2_jax.checkpoints.streaming import progress_bar
+from gpt2_jax.model.params import param_bytes, to_flat
+
+
+def convert(src: str | Path, dst: str | Path, *, dtype: Any = None, force: bool = False, to_hf: bool = False,
+            progress: bool = False) -> Path:  # fmt: skip
+    """Read src (any format load() takes) and write dst atomically: orbax, or HF with to_hf=True.
+    The tensors stream into their final buffers and are written from there, so the peak memory is
+    about the weights once (to_hf: twice, as safetensors serialises the whole file in memory).
+    progress: tqdm bars (bytes) on stderr, reading then writing."""
+    dst = Path(dst).absolute()
+    check_writable_destination(dst, force)  # fail before the (slow) load, not after
+    params, config = load(src, dtype=resolve_dtype(dtype), progress=progress, stacked=True)  # as stored
+    with progress_bar(param_bytes(params), progress, f"writing {dst}") as bar:
+        if not to_hf:
+            native.save(dst, params, config, force=force)
+        else:
+            with atomic_dir(dst, force) as tmp:
+                hf.write_dir(to_flat(params, config), config, tmp)
+        bar.update(param_bytes(params))  # orbax and safetensors write in one call each, so the bar jumps
+    return dst

@@ -1,0 +1,104 @@
+"""load(path): any supported GPT-2 checkpoint -> (params, config), the format detected from the path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+
+from gpt2_jax.checkpoints import hf, nanogpt, native, torch_files
+from gpt2_jax.checkpoints.lazy import Lazy
+from gpt2_jax.checkpoints.streaming import build_params
+from gpt2_jax.config import GPT2Config
+from gpt2_jax.errors import CheckpointError, ConfigError
+from gpt2_jax.model.params import Params
+
+FORMATS = (
+    "a gpt2_jax checkpoint directory (gpt2_jax.json + params/), "
+    "a HuggingFace directory (config.json + model.safetensors / pytorch_model.bin / *.index.json), "
+    "a .safetensors or .bin state dict, or a nanoGPT ckpt.pt (or its out_dir)"
+)
+_TORCH_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+
+
+def resolve_dtype(dtype: Any) -> Any:
+    """None, 'float32' or 'bfloat16' (or the jnp dtypes) -> a jnp dtype or None."""
+    if dtype is None:
+        return None
+    name = jnp.dtype(dtype).name if not isinstance(dtype, str) else dtype
+    if name not in ("float32", "bfloat16"):
+        raise ConfigError(f"dtype {dtype!r} is not supported; use float32 or bfloat16")
+    return jnp.dtype(name)
+
+
+def _read_file(path: Path, config: GPT2Config | None) -> tuple[dict[str, Lazy], GPT2Config]:
+    """A single weight file; the config comes from the argument, a config.json beside it, or the shapes."""
+    if path.suffix == ".safetensors" or path.name.endswith(".index.json"):
+        raw = hf.read_weights(path)
+    elif path.suffix in _TORCH_SUFFIXES:
+        obj = torch_files.torch_load(path)
+        if nanogpt.is_nanogpt(obj):
+            flat, nano_config = nanogpt.read_checkpoint(obj, path)
+            return flat, config or nano_config
+        raw = torch_files.tensors_of(obj, path)
+    else:
+        raise CheckpointError(f"{path}: unknown checkpoint format; expected {FORMATS}")
+    flat = hf.normalize_keys(raw, str(path))
+    if config is None and (path.parent / "config.json").is_file():
+        config = hf.read_config(path.parent / "config.json")
+    return flat, config or hf.infer_config(flat, str(path))
+
+
+def _training_run(path: Path) -> Path:
+    """A gpt2-jax train --out directory (or one of its checkpoints) -> the run's model/; other paths unchanged.
+    The training checkpoints hold params and optimizer state but no config, so they are not loaded."""
+    run = path.parent.parent if path.parent.name == "checkpoints" and path.name.isdigit() else path
+    if not (run / "checkpoints").is_dir() or native.is_checkpoint(path):
+        return path
+    if native.is_checkpoint(run / "model") and run == path:
+        return run / "model"
+    what = "a training checkpoint (params + optimizer state, no config)" if run != path else "a training run"
+    if native.is_checkpoint(run / "model"):
+        raise CheckpointError(f"{path}: {what}; load the run's final model: --model {run / 'model'}")
+    raise CheckpointError(
+        f"{path}: {what} that has not written model/ yet; finish it with gpt2-jax train "
+        f"--resume --out {run} (same arguments), then use --model {run / 'model'}"
+    )
+
+
+def load(
+    path: str | Path,
+    *,
+    dtype: Any = None,
+    config: GPT2Config | None = None,
+    mesh: Any = None,
+    progress: bool = False,
+    stacked: bool = False,
+) -> tuple[Params, GPT2Config]:
+    """Any supported checkpoint -> (params, config), each layer's tensors their own buffers (the fast form
+    for every path; see gpt2_jax.model.params). A gpt2-jax train --out directory loads its model/.
+    dtype: keep the stored one (None), float32 or bfloat16. mesh (gpt2_jax.parallel.sharding.make_mesh): lay the params out on it, each device receiving only its shards.
+    Tensors stream from the memory-mapped file into their final buffers (cast on the way), so the
+    peak memory is about the weights once. progress: a tqdm bar (bytes) on stderr for loads over 2 s.
+    stacked=True: block leaves stacked on L instead (the form checkpoints store; convert writes it)."""
+    path = Path(path)
+    dtype = resolve_dtype(dtype)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file or directory")
+    path = _training_run(path)
+    if native.is_checkpoint(path):
+        return native.restore(path, dtype, mesh, progress, stacked)
+    if path.is_dir() and (path / "config.json").is_file():
+        source = hf.weight_file(path)
+        flat, found = hf.read_dir(path)
+    elif path.is_dir() and (path / "ckpt.pt").is_file():
+        source = path / "ckpt.pt"
+        flat, found = nanogpt.read(source)
+    elif path.is_dir():
+        raise CheckpointError(f"{path}: unknown checkpoint format; expected {FORMATS}")
+    else:
+        source = path
+        flat, found = _read_file(path, config)
+    config = config or found
+    return build_params(flat, config, str(source), dtype, mesh, progress, stacked), config

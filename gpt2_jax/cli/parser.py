@@ -1,0 +1,147 @@
+"""The gpt2-jax command line: its parser, the compile cache and main. Each command lives in its own module
+(generate.py, convert.py, train.py for train and data, serve.py). Errors are one line, never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+import jax
+
+from gpt2_jax.cli import convert as cli_convert
+from gpt2_jax.cli import generate as cli_generate
+from gpt2_jax.cli import serve as cli_serve
+from gpt2_jax.cli import train as cli_train
+from gpt2_jax.cli.help import HelpFormatter
+from gpt2_jax.errors import GPT2JaxError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line's parser (gpt2-jax generate|convert|train|data)."""
+    parser = argparse.ArgumentParser(prog="gpt2-jax", description="GPT-2 in JAX: generate text, convert checkpoints")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text from a prompt", formatter_class=HelpFormatter)
+    gen.add_argument("--model", default=None,
+                     help="checkpoint path (any format load() reads, or a gpt2-jax train --out directory) or a "
+                          "hub id like gpt2 (default: the bundled Shakespeare model)")  # fmt: skip
+    gen.add_argument("--prompt", help="the prompt text (default: read from stdin)")
+    gen.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate at most")
+    gen.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    gen.add_argument("--top-k", type=int, default=0, help="0 = off")
+    gen.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
+    _processor_args(gen)
+    gen.add_argument(
+        "--seed", type=int, default=None, help="sampling seed (default: a random one, printed in the summary line)"
+    )
+    gen.add_argument("--num-samples", type=int, default=1, help="samples of the same prompt, one batch")
+    gen.add_argument("--stream", action="store_true", help="print text as it is generated")
+    gen.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "int8"],
+        default=None,
+        help="cast the weights; int8 = weight-only int8 blocks, bfloat16 otherwise (gpt2_jax.model.precision)",
+    )
+    gen.add_argument(
+        "--mesh", help="run sharded over a device mesh, e.g. data=2,model=4 (see gpt2_jax.parallel.sharding)"
+    )
+    spec = gen.add_mutually_exclusive_group()
+    spec.add_argument("--draft", metavar="MODEL", help="speculative decoding with this smaller draft model (same "
+                      "vocabulary; any --model form); the output is the same, only faster")  # fmt: skip
+    spec.add_argument(
+        "--prompt-lookup",
+        action="store_true",
+        help="speculative decoding proposing the continuation of earlier matches in the text",
+    )
+    gen.add_argument("--speculate", type=int, default=4, metavar="K", help="tokens proposed per round (with --draft "
+                     "or --prompt-lookup)")  # fmt: skip
+    _cache_arg(gen)
+    cli_train.distributed_args(gen)
+    cli_convert.build_parser(sub.add_parser("convert", help="convert a checkpoint (see convert/convert_pytorch.py)",
+                                            formatter_class=HelpFormatter))  # fmt: skip
+    train = sub.add_parser("train", help="train or fine-tune with AdamW", formatter_class=HelpFormatter)
+    cli_train.train_parser(train)
+    _cache_arg(train)
+    cli_train.data_parser(sub.add_parser("data", help="prepare training data"))
+    cli_serve.serve_parser(sub.add_parser("serve", help="serve an OpenAI-compatible completions API over HTTP",
+                                 formatter_class=HelpFormatter), _cache_arg)  # fmt: skip
+    return parser
+
+
+def _processor_args(gen: argparse.ArgumentParser) -> None:
+    """Logits processors, stop strings, constraints and top logprobs (see gpt2_jax.generate)."""
+    gen.add_argument("--min-p", type=float, default=0.0, help="0 = off; drop tokens below min_p x the top probability")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0, help="transformers' (prompt + output); 1 = off")
+    gen.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]; 0 = off")
+    gen.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]; 0 = off")
+    gen.add_argument("--no-repeat-ngram-size", type=int, default=0, help="never repeat an n-gram; 0 = off")
+    gen.add_argument("--min-new-tokens", type=int, default=0, help="hold back EOS until this many tokens")
+    gen.add_argument(
+        "--stop",
+        action="append",
+        default=None,
+        metavar="TEXT",
+        help="stop string (repeatable); the text is cut just before it",
+    )
+    c = gen.add_mutually_exclusive_group()
+    c.add_argument("--regex", help="constrain the output to match this regex")
+    c.add_argument(
+        "--choice", action="append", default=None, metavar="TEXT", help="the output is one of these (repeatable)"
+    )
+    c.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid under this JSON schema file")
+    gen.add_argument(
+        "--top-logprobs",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after the text, list each token's N most likely alternatives (N <= 20)",
+    )
+
+
+def _cache_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--no-compile-cache",
+        action="store_true",
+        help="do not use JAX's persistent compilation cache (see GPT2_JAX_COMPILATION_CACHE)",
+    )
+
+
+def compile_cache_dir(environ: Mapping[str, str], disabled: bool = False) -> Path | None:
+    """Where the CLI keeps XLA's compiled programs between runs, or None when off: $GPT2_JAX_COMPILATION_CACHE
+    (a directory, or off/0), else $XDG_CACHE_HOME/gpt2_jax/jax-cache, else ~/.cache/gpt2_jax/jax-cache."""
+    where = environ.get("GPT2_JAX_COMPILATION_CACHE", "").strip()
+    if disabled or where.lower() in ("off", "0", "false", "no"):
+        return None
+    if where:
+        return Path(where).expanduser()
+    base = environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "gpt2_jax" / "jax-cache"
+
+
+def _use_compile_cache(args: argparse.Namespace) -> None:
+    """Turn on JAX's persistent compilation cache, so a second run reuses the first run's programs."""
+    where = compile_cache_dir(os.environ, args.no_compile_cache)
+    if where is None:
+        return
+    jax.config.update("jax_compilation_cache_dir", str(where))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # the default (1 s) skips small programs
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "convert":
+            return cli_convert.run(args)
+        if args.command in ("generate", "train", "serve"):
+            _use_compile_cache(args)
+        return {"generate": cli_generate.run_generate, "train": cli_train.run_train, "data": cli_train.run_data,
+                "serve": cli_serve.run_serve}[args.command](args)  # fmt: skip
+    except GPT2JaxError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,39 @@
+"""Turning prompts into tokens: batching, prefill and decode steps, the generate loop, text in and out.
+
+batching.py     ragged prompts + one SamplingParams per row -> padded arrays, keys and rules (prepare)
+decode.py       prefill, draw, feed, decode_step, the jitted decode loop (gpt-fast's shape)
+generator.py    generate and generate_stream, the public entry points
+completion.py   complete: text in, text out, cut as OpenAI does
+stop_strings.py stop strings, matched on the host
+speculative/    speculative decoding that keeps plain decoding's tokens
+"""
+
+from gpt2_jax.generation.batching import Prepared, bucket, cache_capacity, prepare
+from gpt2_jax.generation.completion import Completion, complete
+from gpt2_jax.generation.decode import TOP_LOGPROBS, DecodeState, Rules, Step, StopRule, decode_step, halt, prefill
+from gpt2_jax.generation.generator import GenerateResult, encoding, generate, generate_stream, start, token_bytes
+from gpt2_jax.generation.stop_strings import StopMatcher
+
+__all__ = [
+    "TOP_LOGPROBS",
+    "Completion",
+    "DecodeState",
+    "GenerateResult",
+    "Prepared",
+    "Rules",
+    "Step",
+    "StopMatcher",
+    "StopRule",
+    "bucket",
+    "cache_capacity",
+    "complete",
+    "decode_step",
+    "encoding",
+    "generate",
+    "generate_stream",
+    "halt",
+    "prefill",
+    "prepare",
+    "start",
+    "token_bytes",
+]  # fmt: skip

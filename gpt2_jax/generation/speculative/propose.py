@@ -1,0 +1,90 @@
+"""Proposers: where the k guessed tokens come from. A proposal only decides speed, never output
+(gpt2_jax.generation.speculative.verify draws every token plain decoding would draw, whatever is proposed).
+
+  prompt lookup   the continuation of the most recent earlier occurrence of the row's last n tokens
+                  (n = 3, then 2, then 1) in its prompt + output: free, and right whenever the text
+                  copies itself (code edits, quotes, summaries, repetition).
+  draft model     a smaller model with the same vocabulary, decoding greedily from its own KV cache,
+                  which follows the target's accepted tokens (positions line up slot for slot).
+
+Shape legend: B rows, S cache slots, k proposed tokens, V vocab.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from gpt2_jax.config import GPT2Config
+from gpt2_jax.model.gpt2 import forward_cached
+from gpt2_jax.model.kv_cache import KVCache
+from gpt2_jax.model.params import Params
+from gpt2_jax.sampling.draw import argmax
+
+MAX_NGRAM = 3  # prompt lookup matches the last 3 tokens, else the last 2, else the last 1
+
+
+def last_match(history: jax.Array, length: jax.Array, n: int) -> jax.Array:
+    """history [B, S] holding `length` [B] tokens -> [B] int32: the end slot e of the latest earlier
+    occurrence of the row's last n tokens (history[e-n+1 .. e] == history[length-n .. length-1],
+    e < length - 1), or -1 if there is none."""
+    B, S = history.shape
+    e = jnp.arange(S, dtype=jnp.int32)[None, :]  # [1, S] candidate end slots
+    rows = jnp.arange(B)[:, None]
+    match = (e >= n - 1) & (e <= length[:, None] - 2) & (length[:, None] >= n + 1)
+    for i in range(n):  # token i back from the end: history[e - i] == history[length - 1 - i]
+        back = jnp.take_along_axis(history, jnp.maximum(e - i, 0).repeat(B, 0), axis=1)
+        want = history[rows[:, 0], jnp.maximum(length - 1 - i, 0)][:, None]
+        match = match & (back == want)
+    return jnp.max(jnp.where(match, e, -1), axis=1)
+
+
+def prompt_lookup(history: jax.Array, length: jax.Array, k: int) -> jax.Array:
+    """history [B, S] holding `length` [B] tokens -> k proposed next tokens [B, k]: what followed the
+    latest earlier occurrence of the last MAX_NGRAM (else fewer) tokens. The continuation repeats with
+    the match's period once it reaches the row's end (a loop keeps looping); with no match at all, the
+    last token repeated."""
+    end = jnp.full(length.shape, -1, jnp.int32)
+    for n in range(MAX_NGRAM, 0, -1):  # the longest n that matches wins
+        end = jnp.where(end >= 0, end, last_match(history, length, n))
+    found = end >= 0
+    period = jnp.where(found, length - 1 - end, 1)  # slots end+1 .. length-1 are known: `period` of them
+    first = jnp.where(found, end + 1, length - 1)
+    slots = first[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :] % period[:, None]  # [B, k]
+    return jnp.take_along_axis(history, slots, axis=1)
+
+
+def draft_prefill(
+    draft_params: Params, tokens: jax.Array, lengths: jax.Array, cache: KVCache, draft_config: GPT2Config
+) -> KVCache:
+    """The draft reads the prompts [B, P] into its own cache (lengths [B] set to the prompts')."""
+    _, cache = forward_cached(draft_params, tokens, cache, draft_config, last=lengths - 1)
+    return cache._replace(lengths=lengths)
+
+
+def draft_propose(
+    draft_params: Params,
+    cache: KVCache,
+    prev: jax.Array,
+    token: jax.Array,
+    start: jax.Array,
+    k: int,
+    draft_config: GPT2Config,
+) -> tuple[jax.Array, KVCache]:
+    """The draft's k greedy tokens [B, k] after the row's accepted tokens, ending (prev at slot start,
+    token at start + 1). prev is fed again each round: its slot may hold a proposal the target did
+    not take or nothing yet (when the previous round's k proposals were all accepted), and feeding
+    the same token at the same slot again writes the same K/V. Slots past start + k hold stale
+    guesses that the cache's lengths mask."""
+    logits, cache = forward_cached(draft_params, jnp.stack([prev, token], 1), cache._replace(lengths=start),
+                                   draft_config, last=jnp.ones_like(start))  # fmt: skip
+    first = argmax(logits[:, 0, : draft_config.valid_vocab])
+
+    def step(carry, _):
+        cache, tok = carry
+        logits, cache = forward_cached(draft_params, tok[:, None], cache, draft_config)
+        nxt = argmax(logits[:, 0, : draft_config.valid_vocab])
+        return (cache, nxt), nxt
+
+    (cache, _), rest = jax.lax.scan(step, (cache, first), None, length=k - 1)
+    return jnp.concatenate([first[:, None], rest.T], axis=1), cache

@@ -1,0 +1,233 @@
+// rowdot: y[m, n] = sum_k x[m, k] * w[n, k] in float32, each output rounded the same way for any M.
+//
+// Why a kernel of our own: XLA's CPU matmul picks a different kernel (and so a different rounding) for
+// one row, for a few rows and for many, so a token's logits would depend on its batch. Here every output
+// is one dot product computed by the same instructions wherever it sits: 16 lane-wise accumulators, lane
+// i taking the products k = i, i + 16, ... in order through fused multiply-adds, then the 16 lanes summed
+// by one fixed tree. Tiling (a few x rows against a few w rows, so each loaded vector feeds several
+// accumulators), the split across threads and the batch size change which outputs are computed together,
+// never how one is computed. The AVX2 path holds the 16 lanes in two 8-lane registers and rounds exactly
+// like the AVX-512 one.
+//
+// The layout is XLA's FFI: x [..., M, K], w [..., N, K] (the weights as checkpoints hold them, [out, in]),
+// y [..., M, N]; leading dims of x and w are equal or one of them is 1 (vmap's "expand_dims").
+
+#include <Python.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <thread>
+
+#include "chain.h"
+#include "rowdot.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using rowdot::Problem;
+
+// `batch` problems of the same shape, problem b at x + b * x_step, w + b * w_step, y + b * M * N
+// (and ends + b * M when x_step is not 0).
+struct Shared {
+  Problem p;  // problem 0
+  bool chain;  // chain's arithmetic (w [K, N]) instead of rowdot's (w [N, K])
+  int64_t batch, x_step, w_step;
+  int64_t row_blocks, per_problem, items;
+  std::atomic<int64_t> next{0}, done{0};
+};
+
+void Work(Shared& s) {
+  for (int64_t i; (i = s.next.fetch_add(1, std::memory_order_relaxed)) < s.items;) {
+    int64_t b = i / s.per_problem;
+    Problem p = s.p;
+    p.x += b * s.x_step, p.w += b * s.w_step, p.y += b * p.M * p.N;
+    if (p.ends != nullptr && s.x_step != 0) p.ends += b * p.M;
+    if (s.chain)
+      chain::Item(p, s.row_blocks, i % s.per_problem);
+    else
+      rowdot::Item(p, s.row_blocks, i % s.per_problem);
+    s.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+// Every problem's work items in one list, shared by XLA's own intra-op threads and this one. The caller
+// waits only for items some thread has claimed, so a task the pool starts late finds nothing left.
+void Run(ffi::ThreadPool& pool, const Problem& p, int64_t batch, int64_t x_step, int64_t w_step, bool chain) {
+  if (p.M == 0 || p.N == 0 || batch == 0) return;
+  auto s = std::make_shared<Shared>();
+  s->p = p, s->chain = chain, s->batch = batch, s->x_step = x_step, s->w_step = w_step;
+  s->row_blocks = chain ? chain::RowBlocks(p) : rowdot::RowBlocks(p);
+  s->per_problem = chain ? chain::Items(p) : rowdot::Items(p);
+  s->items = batch * s->per_problem;
+  int64_t helpers = std::min<int64_t>(pool.num_threads(), s->items) - 1;
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([s] { Work(*s); });
+  Work(*s);
+  while (s->done.load(std::memory_order_acquire) < s->items) std::this_thread::yield();
+}
+
+int64_t Product(const int64_t* dims, size_t n) {
+  int64_t p = 1;
+  for (size_t d = 0; d < n; ++d) p *= dims[d];
+  return p;
+}
+
+// y = x . w over the last axis of x; x dims xd (rank xn >= 2), w dims wd (rank wn >= 2): [..., N, K], or
+// [..., K, N] for chain; ends (x's dims but the last, or null) as `mode` says (see rowdot::Ends).
+ffi::Error Multiply(ffi::ThreadPool& pool, const float* xp, const int64_t* xd, size_t xn, const float* wp,
+                    const int64_t* wd, size_t wn, float* yp, const int32_t* ends = nullptr,
+                    rowdot::Ends mode = rowdot::Ends::kNone, bool chain = false) {
+  if (xn < 2 || wn < 2 || xd[xn - 1] != wd[wn - (chain ? 2 : 1)])
+    return ffi::Error::InvalidArgument(chain ? "chain: x [..., M, K] and w [..., K, N] must share K"
+                                             : "rowdot: x [..., M, K] and w [..., N, K] must share K");
+  int64_t K = xd[xn - 1], M = xd[xn - 2], N = wd[wn - (chain ? 1 : 2)];
+  int64_t xb = Product(xd, xn - 2), wb = Product(wd, wn - 2);
+  Problem p{xp, wp, yp, M, N, K, ends, ends == nullptr ? rowdot::Ends::kNone : mode};
+  if (wb == 1) {  // one weight for every batch entry: all of x's rows in one problem
+    p.M = xb * M;
+    Run(pool, p, 1, 0, 0, chain);
+  } else if (xb == wb || xb == 1) {
+    Run(pool, p, wb, xb == 1 ? 0 : M * K, N * K, chain);
+  } else {
+    return ffi::Error::InvalidArgument("rowdot: leading dims of x and w must match or be 1");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error RowDotImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                      ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  return Multiply(pool, x.typed_data(), xd.begin(), xd.size(), w.typed_data(), wd.begin(), wd.size(),
+                  y->typed_data());
+}
+
+// Entry `index` of a stacked [L, ...] w (a layer of the KV cache), read where it lies: slicing it out
+// first would copy it. The index is clamped into [0, L), as XLA's slicing does. -> the entry's data; its
+// dims are sd[1:].
+ffi::Error StackedEntry(ffi::Buffer<ffi::F32>& stacked, ffi::Buffer<ffi::S32>& index, const float** w) {
+  auto sd = stacked.dimensions();
+  if (sd.size() < 3) return ffi::Error::InvalidArgument("rowdot_at: stacked must be [L, ..., N, K]");
+  int64_t L = sd[0], i = std::clamp<int64_t>(index.typed_data()[0], 0, L - 1);
+  *w = stacked.typed_data() + i * Product(sd.begin() + 1, sd.size() - 1);
+  return ffi::Error::Success();
+}
+
+// rowdot with w such an entry.
+ffi::Error RowDotAtImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> stacked,
+                        ffi::Buffer<ffi::S32> index, ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), sd = stacked.dimensions();
+  const float* w;
+  if (auto e = StackedEntry(stacked, index, &w); e.failure()) return e;
+  return Multiply(pool, x.typed_data(), xd.begin(), xd.size(), w, sd.begin() + 1, sd.size() - 1,
+                  y->typed_data());
+}
+
+// The two above with ends [..., M] (x's dims but the last) and what they mean, mode (rowdot::Ends).
+ffi::Error CheckEnds(ffi::AnyBuffer::Dimensions xd, ffi::Buffer<ffi::S32>& ends, int32_t mode) {
+  auto ed = ends.dimensions();
+  if (mode < 0 || mode > 2) return ffi::Error::InvalidArgument("rowdot: mode must be 0, 1 or 2");
+  if (ed.size() + 1 != xd.size() || !std::equal(ed.begin(), ed.end(), xd.begin()))
+    return ffi::Error::InvalidArgument("rowdot: ends must have x's dims but the last");
+  return ffi::Error::Success();
+}
+
+template <bool kChain>
+ffi::Error EndsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                    ffi::Buffer<ffi::S32> ends, ffi::ResultBuffer<ffi::F32> y, int32_t mode) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (auto e = CheckEnds(xd, ends, mode); e.failure()) return e;
+  return Multiply(pool, x.typed_data(), xd.begin(), xd.size(), w.typed_data(), wd.begin(), wd.size(),
+                  y->typed_data(), ends.typed_data(), static_cast<rowdot::Ends>(mode), kChain);
+}
+
+template <bool kChain>
+ffi::Error AtEndsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> stacked,
+                      ffi::Buffer<ffi::S32> index, ffi::Buffer<ffi::S32> ends, ffi::ResultBuffer<ffi::F32> y,
+                      int32_t mode) {
+  auto xd = x.dimensions(), sd = stacked.dimensions();
+  const float* w;
+  if (auto e = CheckEnds(xd, ends, mode); e.failure()) return e;
+  if (auto e = StackedEntry(stacked, index, &w); e.failure()) return e;
+  return Multiply(pool, x.typed_data(), xd.begin(), xd.size(), w, sd.begin() + 1, sd.size() - 1,
+                  y->typed_data(), ends.typed_data(), static_cast<rowdot::Ends>(mode), kChain);
+}
+
+// y[..., i] = the float32 nearest the float64 running sum of x[..., 0 .. i]: torch's CPU cumsum of float32,
+// which accumulates in float64. One sequential pass per row, so a row's sums never depend on its batch.
+// (The sampler's prefix sums: XLA has no sequential scan, and the log-depth one it builds instead takes
+// seconds to compile for a 50k-token vocabulary.)
+ffi::Error CumSumImpl(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y) {
+  auto d = x.dimensions();
+  if (d.size() < 1) return ffi::Error::InvalidArgument("cumsum: x must have at least one axis");
+  int64_t n = d[d.size() - 1], rows = n == 0 ? 0 : static_cast<int64_t>(x.element_count()) / n;
+  const float* in = x.typed_data();
+  float* out = y->typed_data();
+  for (int64_t r = 0; r < rows; ++r) {
+    double acc = 0.0;
+    for (int64_t i = 0; i < n; ++i) {
+      acc += static_cast<double>(in[r * n + i]);
+      out[r * n + i] = static_cast<float>(acc);
+    }
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GPT2JaxCumSum, CumSumImpl,
+                              ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>());
+
+// The bindings, one per signature: x, w (or stacked and index), [ends and mode] -> y.
+static auto DotBinding() {
+  return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>();
+}
+
+static auto AtBinding() { return DotBinding().Arg<ffi::Buffer<ffi::S32>>(); }
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GPT2JaxRowDot, RowDotImpl, DotBinding().Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GPT2JaxRowDotAt, RowDotAtImpl, AtBinding().Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GPT2JaxRowDotEnds, EndsImpl<false>,
+                              DotBinding().Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::Buffer<ffi::F32>>().Attr<int32_t>("mode"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GPT2JaxChain, EndsImpl<true>,
+                              DotBinding().Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::Buffer<ffi::F32>>().Attr<int32_t>("mode"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GPT2JaxRowDotAtEnds, AtEndsImpl<false>,
+                              AtBinding().Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::Buffer<ffi::F32>>().Attr<int32_t>("mode"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GPT2JaxChainAt, AtEndsImpl<true>,
+                              AtBinding().Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::Buffer<ffi::F32>>().Attr<int32_t>("mode"));
+
+// ------------------------------------------------------------------------------------------------ Python
+
+// A handler as a capsule for jax.ffi.register_ffi_target.
+template <XLA_FFI_Handler* kHandler>
+PyObject* Capsule(PyObject*, PyObject*) {
+  return PyCapsule_New(reinterpret_cast<void*>(kHandler), nullptr, nullptr);
+}
+
+static PyObject* Isa(PyObject*, PyObject*) {
+  return PyUnicode_FromString(rowdot::Pick().few.isa);
+}
+
+static PyObject* Usable(PyObject*, PyObject*) {
+  __builtin_cpu_init();
+  return PyBool_FromLong(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"));
+}
+
+static PyMethodDef kMethods[] = {
+    {"handler", Capsule<GPT2JaxRowDot>, METH_NOARGS, "The XLA FFI handler, as a capsule for jax.ffi.register_ffi_target."},
+    {"handler_at", Capsule<GPT2JaxRowDotAt>, METH_NOARGS, "The handler of the variant reading one entry of a stacked w."},
+    {"handler_ends", Capsule<GPT2JaxRowDotEnds>, METH_NOARGS, "The handler taking per-row ends (see rowdot::Ends)."},
+    {"handler_at_ends", Capsule<GPT2JaxRowDotAtEnds>, METH_NOARGS, "handler_at taking per-row ends."},
+    {"handler_chain", Capsule<GPT2JaxChain>, METH_NOARGS, "chain (w [..., K, N], one FMA chain per output), with ends."},
+    {"handler_chain_at", Capsule<GPT2JaxChainAt>, METH_NOARGS, "handler_chain reading one entry of a stacked w."},
+    {"handler_cumsum", Capsule<GPT2JaxCumSum>, METH_NOARGS, "cumsum: float32 prefix sums accumulated in float64."},
+    {"isa", Isa, METH_NOARGS, "Which instruction set the kernel runs with here: 'avx512' or 'avx2'."},
+    {"usable", Usable, METH_NOARGS, "Whether this CPU has what the kernel needs (AVX2 and FMA)."},
+    {nullptr, nullptr, 0, nullptr}};
+
+static PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_cpu", "gpt2_jax's batch-invariant CPU kernels: rowdot, chain and cumsum",
+                              -1, kMethods};
+
+PyMODINIT_FUNC PyInit__cpu() { return PyModule_Create(&kModule); }

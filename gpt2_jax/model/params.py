@@ -1,0 +1,236 @@
+"""The params pytree: names follow the checkpoint; each layer's tensors are their own buffers.
+
+    params = {
+      "wte": [V, D], "wpe": [P, D],
+      "h": [                                   # L per-layer dicts (load() and init_params give this)
+        {"ln_1": {"weight": [D], "bias": [D]},
+         "attn": {"c_attn": {"weight": [3, D, D], "bias": [3, D]},  # q | k | v, each [out, in]
+                  "c_proj": {"weight": [D, D],  "bias": [D]}},
+         "ln_2": {"weight": [D], "bias": [D]},
+         "mlp":  {"c_fc":   {"weight": [F, D],  "bias": [F]},     # [out, in]
+                  "c_proj": {"weight": [D, F],  "bias": [D]}}},
+        ...],
+      "ln_f": {"weight": [D], "bias": [D]},
+    }
+
+The same blocks may also be held stacked (`stack_layers`: "h" one dict, every leaf [L, ...]), the form
+checkpoints store and the training step differentiates. Every model path runs the layers as one
+lax.scan over the layer index either way, so compile time does not grow with depth. Why per-layer
+buffers: XLA's CPU matmul reads its weight from a buffer of its own, so slicing layer i out of a
+stacked [L, ...] weight inside the loop copies the slice first, and decode (one weight read per
+token) then reads every weight twice. With per-layer buffers each matmul runs inside a lax.switch on
+the layer index (`apply_weight`) and reads the chosen buffer in place; the small leaves (biases,
+LayerNorms) are stacked once per call (`scan_layers`), where a copy costs nothing.
+
+Linear weights are held [out, in] (as torch.nn.Linear and nanoGPT store them; HuggingFace's Conv1D
+stores [in, out], transposed on loading), so y = x @ W.T + b. Why: XLA's CPU matmul then computes every
+output row with the same instruction sequence for any number of rows >= 2, so a token's activations
+are the same bits in a batch of 1 or 64, in a prefill or a decode step (see layers.linear); with
+[in, out] weights the kernel, and so the rounding, changes with the row count. c_attn's fused [D, 3D]
+is held as [3, D, D]: q, k and v side by side, each [out, in] with its heads concatenated, so a mesh can
+split every one of them by heads (see gpt2_jax.parallel.sharding). Without biases (nanoGPT bias=False) the
+"bias" leaves are absent.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gpt2_jax.config import GPT2Config
+from gpt2_jax.errors import CheckpointError
+
+Params = dict[str, Any]
+
+# Flat checkpoint name of the embeddings -> their key in the params pytree.
+_EMBEDDINGS = {"wte.weight": "wte", "wpe.weight": "wpe"}
+
+
+def layer_shapes(config: GPT2Config) -> dict[str, tuple[int, ...]]:
+    """Shapes of one block's tensors, keyed by their name inside h.{i}."""
+    d, f = config.n_embd, config.mlp_dim
+    shapes = {
+        "ln_1.weight": (d,), "ln_1.bias": (d,),
+        "attn.c_attn.weight": (d, 3 * d), "attn.c_attn.bias": (3 * d,),
+        "attn.c_proj.weight": (d, d), "attn.c_proj.bias": (d,),
+        "ln_2.weight": (d,), "ln_2.bias": (d,),
+        "mlp.c_fc.weight": (d, f), "mlp.c_fc.bias": (f,),
+        "mlp.c_proj.weight": (f, d), "mlp.c_proj.bias": (d,),
+    }  # fmt: skip
+    return {k: s for k, s in shapes.items() if config.bias or not k.endswith(".bias")}
+
+
+_LINEAR_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+def tree_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A block tensor's shape in the params pytree, from its checkpoint (Conv1D [in, out]) shape:
+    linear weights turn to [out, in], and c_attn's 3D outputs split into (3, D) = (q|k|v, heads x K)."""
+    if name == "attn.c_attn.weight":
+        return (3, shape[1] // 3, shape[0])
+    if name == "attn.c_attn.bias":
+        return (3, shape[0] // 3)
+    if name in _LINEAR_WEIGHTS:
+        return (shape[1], shape[0])
+    return shape
+
+
+def to_tree(name: str, a: Any) -> Any:
+    """One block tensor, checkpoint layout (Conv1D [in, out]) -> pytree layout (see tree_shape)."""
+    if name == "attn.c_attn.weight":
+        return a.reshape(a.shape[0], 3, a.shape[1] // 3).transpose(1, 2, 0)
+    if name in _LINEAR_WEIGHTS:
+        return a.T
+    return a.reshape(tree_shape(name, a.shape))
+
+
+def from_tree(name: str, a: Any) -> Any:
+    """The inverse of to_tree: pytree layout -> checkpoint layout [in, out]."""
+    if name == "attn.c_attn.weight":
+        return a.transpose(2, 0, 1).reshape(a.shape[2], 3 * a.shape[1])
+    if name in _LINEAR_WEIGHTS:
+        return a.T
+    return a.reshape(-1) if name == "attn.c_attn.bias" else a
+
+
+def flat_shapes(config: GPT2Config) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a checkpoint by its flat name (h.{i}.attn.c_attn.weight, ...) and shape."""
+    d = config.n_embd
+    shapes = {"wte.weight": (config.vocab_size, d), "wpe.weight": (config.n_positions, d)}
+    for i in range(config.n_layer):
+        shapes.update({f"h.{i}.{k}": s for k, s in layer_shapes(config).items()})
+    shapes["ln_f.weight"] = (d,)
+    if config.bias:
+        shapes["ln_f.bias"] = (d,)
+    return shapes
+
+
+def _set(tree: dict, dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    for p in parents:
+        tree = tree.setdefault(p, {})
+    tree[leaf] = value
+
+
+def _get(tree: Mapping, dotted: str) -> Any:
+    for p in dotted.split("."):
+        tree = tree[p]
+    return tree
+
+
+def _listing(keys: list[str], limit: int = 8) -> str:
+    shown = ", ".join(keys[:limit])
+    return shown + (f", ... ({len(keys)} in all)" if len(keys) > limit else "")
+
+
+def check_flat(flat: Mapping[str, Any], config: GPT2Config, source: str) -> None:
+    """Raise CheckpointError naming every missing or unexpected key, or the first wrong shape."""
+    expected = flat_shapes(config)
+    missing = sorted(set(expected) - set(flat))
+    unexpected = sorted(set(flat) - set(expected))
+    if missing:
+        raise CheckpointError(f"{source}: missing tensor(s) {_listing(missing)} for {config.n_layer}-layer config")
+    if unexpected:
+        raise CheckpointError(f"{source}: unexpected tensor(s) {_listing(unexpected)}")
+    for key, shape in expected.items():
+        got = tuple(flat[key].shape)
+        if got != shape:
+            raise CheckpointError(f"{source}: tensor {key} has shape {got}, expected {shape}")
+
+
+def dotted(path) -> str:
+    """A pytree key path -> its dotted name (h.attn.c_attn.weight)."""
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def check_tree(shapes: Any, config: GPT2Config, source: str) -> None:
+    """Raise CheckpointError unless a (stacked) params pytree, of arrays or shape metadata, has exactly
+    the leaves and shapes that config implies; the message names the first difference."""
+    want = {dotted(p): tuple(a.shape) for p, a in jax.tree_util.tree_flatten_with_path(
+        jax.eval_shape(lambda: init_params(jax.random.key(0), config, stacked=True)))[0]}  # fmt: skip
+    got = {dotted(p): tuple(a.shape) for p, a in jax.tree_util.tree_flatten_with_path(shapes)[0]}
+    missing, unexpected = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+    if missing or unexpected:
+        what = f"missing {_listing(missing)}" if missing else f"unexpected {_listing(unexpected)}"
+        raise CheckpointError(f"{source}: {what} for the {config.n_layer}-layer config beside it")
+    for name, shape in want.items():
+        if got[name] != shape:
+            hint = (
+                " (a layout older than gpt2_jax 0.3: convert the source checkpoint again)" if "weight" in name else ""
+            )
+            raise CheckpointError(f"{source}: {name} has shape {got[name]}, expected {shape}{hint}")
+
+
+def to_flat(params: Params, config: GPT2Config) -> dict[str, np.ndarray]:
+    """Params pytree -> flat {h.{i}.name: array} in checkpoint shapes, layer axis unstacked (numpy, host)."""
+    flat = {name: np.asarray(params[key]) for name, key in _EMBEDDINGS.items()}
+    for name in layer_shapes(config):
+        stacked = np.asarray(_get(stack_layers(params)["h"], name))
+        flat.update({f"h.{i}.{name}": np.ascontiguousarray(from_tree(name, stacked[i])) for i in range(config.n_layer)})
+    for name in ("weight", "bias") if config.bias else ("weight",):
+        flat[f"ln_f.{name}"] = np.asarray(params["ln_f"][name])
+    return flat
+
+
+def init_params(key: jax.Array, config: GPT2Config, dtype: Any = jnp.float32, *, stacked: bool = False) -> Params:
+    """GPT-2's initialisation: N(0, 0.02) weights, zero biases, unit LayerNorm gains, and residual
+    projections (attn.c_proj, mlp.c_proj) scaled by 1/sqrt(2 L). Per-layer buffers (the form load()
+    gives), or stacked [L, ...] leaves with stacked=True."""
+    shapes = flat_shapes(config.replace(n_layer=1))
+    keys = dict(zip(shapes, jax.random.split(key, len(shapes))))
+    resid_std = 0.02 / math.sqrt(2 * config.n_layer)
+    params: Params = {"h": {}}
+    for name, shape in shapes.items():
+        layer = name.startswith("h.0.")
+        full = (config.n_layer, *tree_shape(name[len("h.0.") :], shape)) if layer else shape
+        if name.startswith(("ln_", "h.0.ln_")):
+            value = jnp.ones(full, dtype) if name.endswith("weight") else jnp.zeros(full, dtype)
+        elif name.endswith("bias"):
+            value = jnp.zeros(full, dtype)
+        else:
+            std = resid_std if name.endswith("c_proj.weight") else 0.02
+            value = (std * jax.random.normal(keys[name], full, jnp.float32)).astype(dtype)
+        if layer:
+            _set(params["h"], name[len("h.0.") :], value)
+        else:
+            _set(params, _EMBEDDINGS.get(name, name), value)
+    return params if stacked else unstack_layers(params)
+
+
+def cast_params(params: Params, dtype: Any) -> Params:
+    """Every leaf cast to dtype (float32 or bfloat16)."""
+    return jax.tree.map(lambda a: jnp.asarray(a, dtype), params)
+
+
+def param_bytes(params: Params) -> int:
+    """Total bytes of all leaves."""
+    return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(params))
+
+
+def unstack_layers(params: Params) -> Params:
+    """params with "h" as a list of L per-layer dicts, each leaf its own buffer (the form load() gives).
+    Leaf by leaf: when the caller holds no other reference to the stacked params (a loader), each stacked
+    leaf is freed once its layers are copied out, so the model is never held twice."""
+    if isinstance(params["h"], (list, tuple)):
+        return params
+    flat, treedef = jax.tree.flatten(params["h"])
+    n_layer = flat[0].shape[0]
+    per_leaf = []
+    for i in range(len(flat)):
+        stacked, flat[i] = flat[i], None
+        per_leaf.append([jnp.array(stacked[j]) for j in range(n_layer)])
+        del stacked
+    h = [jax.tree.unflatten(treedef, [leaf[j] for leaf in per_leaf]) for j in range(n_layer)]
+    return {**params, "h": h}
+
+
+def stack_layers(params: Params) -> Params:
+    """The inverse of unstack_layers: "h" leaves stacked on a leading L axis (the checkpoint form)."""
+    if not isinstance(params["h"], (list, tuple)):
+        return params
+    return {**params, "h": jax.tree.map(lambda *a: jnp.stack(a), *params["h"])}
