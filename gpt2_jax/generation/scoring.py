@@ -1,0 +1,108 @@
+"""Scoring text the model already has: the log-probability of each given token, bit for bit what generate reports.
+
+A token's logprob is log_softmax(logits)[token] under the raw logits (no processor, temperature or filter),
+computed by the same `token_logprobs` a decode step runs, on logits that equal a decode step's bit for bit
+(the model's prefill/decode invariance: a full forward over a sequence gives each position the logits a
+cached step gives it). So `prompt_logprobs` of a prompt is what `generate` would have reported had it sampled
+those tokens (lm-evaluation-harness's loglikelihood requests, echo with logprobs), and `sequence_logprobs`
+of sampled completions is what `generate` returned when it sampled them (exactly on-policy RL). Both are
+differentiable in params (jax.grad flows through the kernels' custom VJPs).
+
+Shape legend: B rows, T positions (bucketed), N completion tokens, R top entries, V vocab.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gpt2_jax.config import GPT2Config
+from gpt2_jax.errors import InputError
+from gpt2_jax.generation.batching import as_prompts, bucket
+from gpt2_jax.generation.decode import TOP_LOGPROBS, most_likely
+from gpt2_jax.model.axes import mesh_of, on_mesh
+from gpt2_jax.model.gpt2 import apply
+from gpt2_jax.model.params import Params
+from gpt2_jax.sampling.draw import token_logprobs
+
+
+class PromptScores(NamedTuple):
+    logprobs: list  # per prompt: [None, log p(t_1 | t_0), ...] (the first token has no context)
+    top_ids: list | None  # per prompt: [None, [R ids], ...] the R most likely ids after each earlier position
+    top_logprobs: list | None  # ... and their log-probabilities
+
+
+def score_tokens(params: Params, tokens: jax.Array, config: GPT2Config, r: int = 0):
+    """tokens [B, T] -> (logprobs [B, T-1]: log p(tokens[:, t+1] | tokens[:, :t+1]), top ids [B, T-1, r], top
+    logprobs [B, T-1, r]), unjitted (for a caller's jit or grad). Right padding is harmless: a position only
+    sees the ones before it."""
+    logits = apply(params, tokens, config)  # [B, T, V], float32
+    B, T, V = logits.shape
+    rows = logits[:, :-1].reshape(B * (T - 1), V)  # every position a row, as a decode step's [B, V]
+    picked = token_logprobs(rows, tokens[:, 1:].reshape(-1)).reshape(B, T - 1)
+    if not r:
+        return picked, None, None
+    ids, values = most_likely(rows, r)
+    return picked, ids.reshape(B, T - 1, r), values.reshape(B, T - 1, r)
+
+
+_score = functools.partial(jax.jit, static_argnames=("config", "r"))(score_tokens)
+
+
+def _padded(rows: list[list[int]], config: GPT2Config) -> np.ndarray:
+    """Right-pad to a bucketed length (a new length rarely compiles), repeating each row's last token."""
+    T = bucket(max(map(len, rows)), config.n_positions)
+    out = np.empty((len(rows), T), np.int32)
+    for b, row in enumerate(rows):
+        out[b, : len(row)], out[b, len(row) :] = row, row[-1]
+    return out
+
+
+def _check(rows: list[list[int]], config: GPT2Config) -> None:
+    for b, row in enumerate(rows):
+        if len(row) > config.n_positions:
+            raise InputError(f"sequence {b}: {len(row)} tokens exceed the context n_positions={config.n_positions}")
+        bad = [t for t in row if not 0 <= t < config.valid_vocab]
+        if bad:
+            raise InputError(f"sequence {b}: token id {bad[0]} is outside the vocab [0, {config.valid_vocab})")
+
+
+def prompt_logprobs(params: Params, config: GPT2Config, prompts: Any, top_logprobs: int = 0) -> PromptScores:
+    """Prompts (token-id lists, ragged) -> each token's logprob given the tokens before it (None for the first),
+    and with top_logprobs = R <= 20 the R most likely ids at each position, as generate reports them."""
+    rows = as_prompts(prompts)
+    _check(rows, config)
+    r = TOP_LOGPROBS if top_logprobs else 0  # one compiled width, cut on the host, as generate does
+    with on_mesh(mesh_of(params)):
+        picked, ids, values = jax.device_get(_score(params, jnp.asarray(_padded(rows, config)), config, r))
+    lps = [[None] + picked[b, : len(p) - 1].tolist() for b, p in enumerate(rows)]
+    if not r:
+        return PromptScores(lps, None, None)
+    top_ids = [[None] + ids[b, : len(p) - 1, :top_logprobs].tolist() for b, p in enumerate(rows)]
+    top_lps = [[None] + values[b, : len(p) - 1, :top_logprobs].tolist() for b, p in enumerate(rows)]
+    return PromptScores(lps, top_ids, top_lps)
+
+
+def sequence_logprobs(params: Params, config: GPT2Config, prompts: Any, completions: Any) -> jax.Array:
+    """The log-probability of each completion token after its prompt -> [B, N] float32 (N: the longest
+    completion; 0 past a row's end), bit for bit the logprobs generate returned when it sampled them, whatever
+    the batch, its order, padding or bucket. Differentiable in params; traceable inside a caller's jit when
+    prompts and completions are host lists (their lengths set the shapes)."""
+    prompts, completions = as_prompts(prompts), [list(map(int, c)) for c in completions]
+    if len(prompts) != len(completions):
+        raise InputError(f"{len(prompts)} prompts but {len(completions)} completions")
+    rows = [p + c for p, c in zip(prompts, completions)]
+    _check(rows, config)
+    N = max(map(len, completions), default=0)
+    if N == 0:
+        return jnp.zeros((len(rows), 0), jnp.float32)
+    tokens = jnp.asarray(_padded(rows, config))
+    picked = _score(params, tokens, config, 0)[0]  # [B, T-1]: position t predicts token t + 1 (jitted, as decode is)
+    start = np.array([len(p) - 1 for p in prompts])  # the position that predicts each completion's first token
+    index = np.minimum(start[:, None] + np.arange(N)[None, :], tokens.shape[1] - 2)
+    real = np.arange(N)[None, :] < np.array([len(c) for c in completions])[:, None]
+    return jnp.where(real, jnp.take_along_axis(picked, jnp.asarray(index), axis=1), 0.0)
