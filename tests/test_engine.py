@@ -64,6 +64,7 @@ def test_random_arrivals_share_slots_and_each_request_equals_generate_alone(mode
                 dict(constraint=constraints.regex(" [0-9]{1,3}")), dict(no_repeat_ngram_size=2, logit_bias={13: 5.0}),
                 dict(constraint=constraints.choice(["aye", "nay"]))]  # fmt: skip
     engine = Engine(params, config, max_batch=3, max_queue=8, max_seq=96)
+    engine.compile()  # every program ahead (else the first requests wait for theirs: fine, but not step-countable)
     pending = []
     for i, (text, options) in enumerate(zip(texts, settings)):
         req, rec = request(enc.encode(text), int(rng.integers(4, 17)), 40 + i, options)  # <= 16: one step bucket
@@ -87,6 +88,7 @@ def test_random_arrivals_share_slots_and_each_request_equals_generate_alone(mode
 def test_cancel_frees_the_slot_and_the_next_request_is_unaffected(model):
     params, config, enc = model
     engine = Engine(params, config, max_batch=1, max_queue=2, max_seq=64)
+    engine.compile()
     first, rec1 = request(enc.encode("ROMEO:"), 40, 1, {})
     second, rec2 = request(enc.encode("JULIET:"), 12, 2, dict(temperature=0.7))
     second.seed = 2
@@ -104,6 +106,7 @@ def test_cancel_frees_the_slot_and_the_next_request_is_unaffected(model):
 def test_a_full_queue_is_refused_and_bad_requests_fail_alone(model):
     params, config, enc = model
     engine = Engine(params, config, max_batch=1, max_queue=1, max_seq=64)
+    engine.compile()
     a, _ = request(enc.encode("A"), 4, 1, {})
     b, _ = request(enc.encode("B"), 4, 2, {})
     engine.submit(a)
@@ -120,6 +123,7 @@ def test_a_full_queue_is_refused_and_bad_requests_fail_alone(model):
         raise RuntimeError("a client callback failed")
 
     engine = Engine(params, config, max_batch=2, max_queue=2, max_seq=64)
+    engine.compile()
     bad = Request(enc.encode("F"), SamplingParams(max_new_tokens=8), jax.random.key(0), explode)
     good, rec = request(enc.encode("G"), 8, 6, dict(temperature=0.9))
     good.seed = 6
@@ -138,3 +142,83 @@ def test_after_stop_requests_are_refused(model):
     engine.stop()  # twice is fine
     with pytest.raises(Cancelled, match="shutting down"):
         engine.submit(request(enc.encode("A"), 4, 1, {})[0])
+
+
+def test_no_request_stalls_the_others_while_its_programs_or_its_constraint_compile(model):
+    """A request whose prompt bucket is not compiled yet waits while the compiler thread builds its prefill; a
+    request with a JSON-schema constraint (seconds of outlines-core) waits while the constraint compiler's
+    child process builds it. The streams already running keep getting tokens all the while, and after the
+    warm-up no program is ever compiled on the engine thread."""
+    import threading
+    import time
+
+    import jax
+
+    from gpt2_jax.serving import ConstraintCompiler
+
+    params, config, enc = model
+    engine = Engine(params, config, max_batch=4, max_queue=4, max_seq=256)
+    engine.programs.wait([k for k in (("decode", 0), ("prefill", 16)) if not engine.want(k, 0.0)])
+    compiler = ConstraintCompiler(timeout=120).start()
+    compiles = []  # (thread, event) of every XLA compile from here on
+    listen = lambda event, duration, **_: compiles.append((threading.get_ident(), event))
+    engine.start()
+    try:
+        warm = [request(enc.encode("A"), 2, 1, {})[0], request(enc.encode("B"), 2, 2, dict(
+            constraint=compiler.compile("choice", ["a", "b"], config.vocab_size, config.eos_id)))[0]]  # fmt: skip
+        for r in warm:  # compiles the small row-moving programs, as the server's warm-up does
+            engine.submit(r)
+        while engine.stats()["active"] or engine.stats()["queued"]:
+            time.sleep(0.05)
+        jax.monitoring.register_event_duration_secs_listener(listen)
+        stamps = [[] for _ in range(3)]
+        running = []
+        for i in range(3):
+            req, _ = request(
+                enc.encode(["ROMEO:", "JULIET:", "HAMLET:"][i]), 200, 10 + i, dict(logit_bias={50256: -100})
+            )
+            req.on_event = lambda kind, payload, i=i: stamps[i].append(time.perf_counter()) if kind == "token" else None
+            running.append(req)
+            engine.submit(req)
+        while min(map(len, stamps)) < 5:
+            time.sleep(0.01)
+        submitted = time.perf_counter()
+        firsts = {}
+
+        def first_token(name):
+            return lambda kind, payload: firsts.setdefault(name, time.perf_counter()) if kind == "token" else None
+
+        long_prompt, _ = request(
+            enc.encode("KING HENRY: Once more unto the breach, dear friends, " * 12)[:150], 4, 20, {}
+        )
+        long_prompt.on_event = first_token("new bucket")
+        engine.submit(long_prompt)  # bucket 256: its prefill compiles now, in the compiler thread
+
+        def constrained():
+            c = compiler.compile("json_schema", {}, config.vocab_size, config.eos_id)  # any JSON: ~3,000 states
+            req, _ = request(enc.encode("JSON:"), 4, 21, dict(constraint=c))
+            req.on_event = first_token("json schema")
+            engine.submit(req)
+
+        threading.Thread(target=constrained).start()
+        while len(firsts) < 2:
+            time.sleep(0.02)
+        done = max(firsts.values())
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+        for r in running:
+            r.cancel()
+        engine.stop()
+        compiler.stop()
+    during = [[t for t in s if submitted < t < done] for s in stamps]
+    gaps = np.concatenate([np.diff(s) for s in stamps])
+    print(
+        f"waited {done - submitted:.1f} s for the two requests; tokens of the running streams meanwhile: "
+        f"{[len(d) for d in during]}; gaps median {np.median(gaps) * 1e3:.1f} ms, max {gaps.max() * 1e3:.1f} ms"
+    )
+    assert all(len(d) >= 10 for d in during), during
+    assert not [e for t, e in compiles if t == engine_thread_ident(engine)], compiles
+
+
+def engine_thread_ident(engine):
+    return engine.ident

@@ -9,12 +9,9 @@ max_tokens <= 16 and always ask for top logprobs, so this process compiles a sin
 """
 
 import json
-import os
 import re
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -37,6 +34,7 @@ from gpt2_jax import (  # noqa: E402
 from gpt2_jax.generation.completion import completions  # noqa: E402
 from gpt2_jax.generation.generator import GenerateResult  # noqa: E402
 from gpt2_jax.generation.stop_strings import StopMatcher  # noqa: E402
+from tests.servers import Server  # noqa: E402
 
 MODEL = "shakespeare"
 SERVE_ARGS = ["--max-batch", "4", "--max-queue", "8", "--max-seq", "128"]
@@ -44,83 +42,9 @@ TOP = 5  # top logprobs generate computes in every comparison (one compiled prog
 NO_EOS = {"50256": -100}  # keeps a long request running until it is cancelled
 
 
-class Server:
-    """`python -m gpt2_jax serve --port 0` as a subprocess; its stderr lines are kept."""
-
-    def __init__(self, cache_dir):
-        self.cache_dir, self.proc, self.port, self.lines = cache_dir, None, None, []
-
-    def start(self):
-        env = {**os.environ, "GPT2_JAX_COMPILATION_CACHE": str(self.cache_dir)}
-        self.port, self.lines, self.ready = None, [], threading.Event()
-        self.proc = subprocess.Popen([sys.executable, "-m", "gpt2_jax", "serve", "--port", "0", *SERVE_ARGS],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
-        threading.Thread(target=self._read, args=(self.proc,), daemon=True).start()
-
-    def _read(self, proc):
-        for line in proc.stderr:
-            self.lines.append(line)
-            m = re.search(r"gpt2-jax serve: ready on http://127\.0\.0\.1:(\d+)", line)
-            if m:
-                self.port = int(m.group(1))
-                self.ready.set()
-        self.ready.set()
-
-    def wait(self, timeout=900):
-        assert self.ready.wait(timeout), "the server was not ready in time:\n" + "".join(self.lines[-20:])
-        assert self.port is not None, "the server exited:\n" + "".join(self.lines[-40:])
-
-    @property
-    def url(self):
-        return f"http://127.0.0.1:{self.port}"
-
-    def client(self):
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="x", max_retries=0, timeout=120)
-
-    def get(self, path):
-        with urllib.request.urlopen(self.url + path, timeout=30) as r:
-            return r.status, r.headers, r.read().decode()
-
-    def post(self, path, data: bytes):
-        req = urllib.request.Request(self.url + path, data=data, headers={"content-type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=60) as r:
-                return r.status, json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read())
-
-    def metrics(self):
-        out = {}
-        for line in self.get("/metrics")[2].splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                out[name] = float(value)
-        return out
-
-    def log(self):
-        return "".join(self.lines)
-
-    def logged(self, pattern, timeout=10):
-        """The first match of `pattern` in the log, waiting for it: the server writes its line before the
-        response goes out, but this process's reader thread may not have appended it yet."""
-        deadline = time.monotonic() + timeout
-        while (m := re.search(pattern, self.log())) is None and time.monotonic() < deadline:
-            time.sleep(0.02)
-        return m
-
-    def stop(self):
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
 @pytest.fixture(scope="module")
 def _server(tmp_path_factory):
-    server = Server(tmp_path_factory.mktemp("jax-cache"))
+    server = Server(tmp_path_factory.mktemp("jax-cache"), SERVE_ARGS)
     server.start()
     yield server
     server.stop()
@@ -129,7 +53,7 @@ def _server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def model(_server):
     """The same model in this process, and generate's program compiled (while the server compiles its own)."""
-    params, config = load(BUNDLED_MODEL)
+    params, config = load(BUNDLED_MODEL, dtype="float32")  # the server computes in float32 on a CPU
     m = params, config, tokenizer()
     expected(m, m[2].encode("ROMEO:"), 0, 0, 4)
     return m
@@ -319,13 +243,13 @@ def test_echo_and_prompt_logprobs(server, model):
     assert lp["tokens"] == [enc.decode([t]) for t in ids] + first["logprobs"]["tokens"]
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     assert bits(lp["token_logprobs"][len(ids) :]) == bits(first["logprobs"]["token_logprobs"])
-    # scoring the generated text (max_tokens 0) gives its logprobs again, from one forward pass
+    # scoring the generated text (max_tokens 0, lm-eval's loglikelihood request) gives the logprobs generate
+    # reported for those tokens, bit for bit: one forward pass, the decode step's arithmetic
     full = ids + expected(model, ids, 2, 0, 6).tokens
-    scored = plain(client.completions.create(model=MODEL, prompt=full, max_tokens=0, echo=True, logprobs=0))[0]
+    scored = plain(client.completions.create(model=MODEL, prompt=full, max_tokens=0, echo=True, logprobs=1))[0]
     assert scored["finish_reason"] == "length" and scored["text"] == enc.decode(full)
-    np.testing.assert_allclose(
-        scored["logprobs"]["token_logprobs"][len(ids) :], first["logprobs"]["token_logprobs"], atol=1e-2
-    )  # fmt: skip (bfloat16 weights: the K/V cache rounds)
+    assert bits(scored["logprobs"]["token_logprobs"][len(ids) :]) == bits(first["logprobs"]["token_logprobs"])
+    assert scored["logprobs"]["top_logprobs"][len(ids) :] == first["logprobs"]["top_logprobs"]
 
 
 def test_constrained_output(server, model):
@@ -440,6 +364,70 @@ def test_errors_are_openai_shaped_with_their_status(server):
     status, body = server.post("/v1/completions", b'["not an object"]')
     assert status == 400 and "error" in body
     assert plain(client.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=3, seed=1))[0]["text"]
+
+
+def test_a_huge_or_bad_constraint_is_a_400_naming_the_limit(server):
+    """a{100000} would take outlines-core minutes (and, in the server's process, hold the GIL all that time):
+    its size is estimated first, and the 400 names the limit."""
+    client = server.client()
+    t = time.perf_counter()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body={"regex": "a{100000}"})
+    seconds = time.perf_counter() - t
+    body = e.value.body
+    assert body["param"] == "regex" and "over the limit of 4096 states" in body["message"], body
+    print(f"a{{100000}} refused in {seconds * 1e3:.0f} ms")
+    with pytest.raises(openai.BadRequestError) as e:  # a pattern outlines-core rejects, from the child process
+        client.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body={"regex": "(?<=a)b"})
+    assert e.value.body["param"] == "regex" and "outlines-core" in e.value.body["message"]
+    ok = plain(client.completions.create(model=MODEL, prompt="Age:", max_tokens=6, seed=3,
+                                         extra_body={"regex": " [0-9]{1,3}"}))[0]  # fmt: skip
+    assert re.fullmatch(r" [0-9]{1,3}", ok["text"]), ok
+
+
+def test_tokenize_and_detokenize_are_the_tokenizer(server, model):
+    enc = model[2]
+    text = "ROMEO: But soft! What light through yonder window breaks?<|endoftext|> naïve 🤖"
+    status, body = server.post("/tokenize", json.dumps({"prompt": text, "model": MODEL}).encode())
+    ids = enc.encode(text, allowed_special={"<|endoftext|>"})
+    assert status == 200 and body == {"count": len(ids), "max_model_len": 128, "tokens": ids}
+    status, body = server.post("/detokenize", json.dumps({"tokens": ids}).encode())
+    assert status == 200 and body == {"prompt": text}
+    status, body = server.post("/detokenize", json.dumps({"tokens": [1, 50257]}).encode())
+    assert status == 400 and body["error"]["param"] == "tokens" and "50257" in body["error"]["message"]
+    status, body = server.post("/tokenize", json.dumps({"prompt": "x", "model": "gpt-4"}).encode())
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+    status, body = server.post("/tokenize", json.dumps({"text": "x"}).encode())
+    assert status == 400 and body["error"]["param"] in ("prompt", "text"), body  # OpenAI's shape, not a 422
+
+
+def test_the_openapi_document_describes_what_the_server_answers(server):
+    """Every reference resolves inside the document, every error status the API answers is documented with
+    its body, /metrics is text, 405s say which methods are allowed."""
+    doc = json.loads(server.get("/openapi.json")[2])
+    text = json.dumps(doc)
+    assert "#/$defs/" not in text
+    for ref in set(re.findall(r'"\$ref": "#/components/schemas/(\w+)"', text)):
+        assert ref in doc["components"]["schemas"], ref
+    op = doc["paths"]["/v1/completions"]["post"]
+    assert {"400", "401", "404", "429", "503"} <= set(op["responses"]) and "422" not in op["responses"]
+    assert op["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/CompletionRequest")
+    assert "stream_options" in doc["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert list(doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
+    req = urllib.request.Request(server.url + "/health", method="DELETE")
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=10)
+    assert e.value.code == 405 and e.value.headers["allow"] == "GET"
+    assert json.loads(e.value.read())["error"]["code"] == "method_not_allowed"
+
+
+def test_health_lists_what_is_still_compiling(server):
+    status, _, body = server.get("/health")
+    health = json.loads(body)
+    assert status == 200 and isinstance(health["compiling"], list)
+    assert server.logged(r"ready after [\d.]+ s of compiling; \d+ programs compiling in the background"), server.log()
+    assert server.logged(r"compiled prefill 128 in [\d.]+ s", timeout=300), server.log()  # the background built it
+    assert "gpt2_jax_compiling_programs" in server.get("/metrics")[2]
 
 
 def test_a_full_queue_is_429_and_others_are_unaffected(server):

@@ -168,10 +168,14 @@ def infer_config(flat: dict[str, np.ndarray], source: str) -> GPT2Config:
 
 
 def write_dir(flat: dict[str, np.ndarray], config: GPT2Config, dst: Path) -> None:
-    """Write config.json + model.safetensors, as save_pretrained does (biases zero-filled if absent)."""
+    """Write config.json + model.safetensors, as save_pretrained does (biases zero-filled if absent), and for
+    GPT-2's vocabulary its tokenizer files and generation_config.json, so that AutoTokenizer, pipeline and
+    lm-eval's hf backend open the directory as it is."""
     import safetensors.numpy
 
+    from gpt2_jax.checkpoints.hf_tokenizer import write_generation_config, write_tokenizer
     from gpt2_jax.model.params import flat_shapes
+    from gpt2_jax.tokenizer import tokenizer
 
     out = {}
     for name, shape in flat_shapes(config.replace(bias=True)).items():
@@ -181,3 +185,7 @@ def write_dir(flat: dict[str, np.ndarray], config: GPT2Config, dst: Path) -> Non
         )
     (dst / "config.json").write_text(json.dumps(config_to_hf(config), indent=2))
     safetensors.numpy.save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    write_generation_config(dst, config.eos_id)
+    enc = tokenizer()
+    if config.valid_vocab == enc.n_vocab:  # GPT-2's own 50257 tokens (a test model's small vocab has no tokenizer)
+        write_tokenizer(dst, enc, config.n_positions)

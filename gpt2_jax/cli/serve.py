@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from gpt2_jax.cli.generate import load_model
@@ -10,37 +11,63 @@ from gpt2_jax.errors import GPT2JaxError
 
 
 def serve_parser(serve: argparse.ArgumentParser, cache_arg) -> None:
-    serve.add_argument(
+    add = serve.add_argument
+    add(
         "--model",
         default=None,
         help="checkpoint path or hub id, as for generate (default: the bundled Shakespeare model)",
     )
-    serve.add_argument(
-        "--model-name", default=None, help="the model id clients send (default: the --model value, or 'shakespeare')"
-    )
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    serve.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port, printed)")
-    serve.add_argument("--max-batch", type=int, default=8, help="slots: requests generated at once")
-    serve.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429s")
-    serve.add_argument(
+    add("--model-name", default=None, help="the model id clients send (default: the --model value, or 'shakespeare')")
+    add("--host", default="127.0.0.1", help="address to listen on; beyond localhost, put a TLS proxy in front")
+    add("--port", type=int, default=8000, help="port to listen on (0: any free port, printed)")
+    add("--max-batch", type=int, default=8, help="slots: requests generated at once")
+    add("--max-queue", type=int, default=64, help="requests waiting for a slot before 429s")
+    add(
         "--max-seq",
         type=int,
         default=None,
         help="prompt + max_tokens limit per request, the KV cache's length (default: the context)",
     )
-    serve.add_argument(
+    add(
         "--dtype",
         choices=["float32", "bfloat16", "int8"],
         default=None,
-        help="cast the weights; int8 = weight-only int8 blocks, bfloat16 otherwise (gpt2_jax.model.precision)",
+        help="the weights' precision (default on a CPU: float32, whatever the checkpoint stores, since it is "
+        "exact and fast there; elsewhere the stored dtype); int8 = weight-only int8 blocks",
     )
-    serve.add_argument("--mesh", help="run sharded over a device mesh, e.g. model=2 (see gpt2_jax.parallel.sharding)")
-    cache_arg(serve)
+    add("--mesh", help="run sharded over a device mesh, e.g. model=2 (see gpt2_jax.parallel.sharding)")
+    add(
+        "--api-key",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help="require Authorization: Bearer KEY (repeatable; default: $GPT2_JAX_API_KEY, else no key)",
+    )
+    add(
+        "--max-constraint-states",
+        type=int,
+        default=4096,
+        help="the most states one request's regex, choice or JSON-schema constraint may compile to",
+    )
+    add("--constraint-classes", type=int, default=512, help="the most token classes one constraint may have")
+    add("--constraint-timeout", type=float, default=30.0, help="seconds a constraint may take to compile")
+    add("--no-playground", action="store_true", help="serve no page at / (the API only)")
+    cache_arg(serve)  # fmt: skip
+
+
+def api_keys(args: argparse.Namespace) -> list[str]:
+    keys = (
+        args.api_key if args.api_key else [os.environ["GPT2_JAX_API_KEY"]] if os.environ.get("GPT2_JAX_API_KEY") else []
+    )
+    if any(not k.strip() for k in keys):
+        raise GPT2JaxError("--api-key (or GPT2_JAX_API_KEY) must not be empty")
+    return [k.strip() for k in keys]
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """gpt2-jax serve: load, start the engine, compile every shape with warm-up requests, then serve until
-    SIGINT/SIGTERM, which fail the requests in flight, stop the engine and release the port (exit 0)."""
+    """gpt2-jax serve: load, start the engine, compile the essential programs, serve while the rest compile in
+    the background, until SIGINT/SIGTERM, which fail the requests in flight, stop the engine and release the
+    port. The process then exits at once (exit 0), whatever is still compiling."""
     import signal
     import socket
     import threading
@@ -48,11 +75,13 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from gpt2_jax.serving import create_app, warm_up
+        from gpt2_jax.serving import create_app
     except ImportError as e:
         raise GPT2JaxError(f"gpt2-jax serve needs fastapi and uvicorn: pip install 'gpt2-jax[serve]' ({e})") from None
+    import jax
+
     from gpt2_jax.parallel import parse_mesh
-    from gpt2_jax.serving import Engine
+    from gpt2_jax.serving import ConstraintCompiler, Engine, warm_up
     from gpt2_jax.tokenizer import tokenizer
 
     def say(line: str) -> None:
@@ -61,27 +90,46 @@ def run_serve(args: argparse.Namespace) -> int:
     def interrupt(*_):
         raise KeyboardInterrupt
 
+    keys = api_keys(args)
+    if args.max_constraint_states < 1 or args.constraint_classes < 1 or args.constraint_timeout <= 0:
+        raise GPT2JaxError("--max-constraint-states, --constraint-classes and --constraint-timeout must be > 0")
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}  # put back at the end
     signal.signal(signal.SIGTERM, interrupt)  # until uvicorn takes over: stop like Ctrl-C
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((args.host, args.port))  # now, so a busy port fails before minutes of compiling
+        sock.bind((args.host, args.port))  # now, so a busy port fails before the compiling
     except OSError as e:
         sock.close()
         raise GPT2JaxError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
     host, port = sock.getsockname()[:2]
-    engine, stopping = None, []
+    engine, stopping, compiler = None, [], None
     try:
         mesh = parse_mesh(args.mesh) if args.mesh else None
+        if args.dtype is None and jax.default_backend() == "cpu":
+            args.dtype = "float32"
         params, config = load_model(args, mesh)
-        engine = Engine(params, config, max_batch=args.max_batch, max_queue=args.max_queue,
-                        max_seq=args.max_seq).start()  # fmt: skip
-        say(f"compiling (warm-up requests for max_seq={engine.max_seq}, max_batch={engine.max_batch}) ...")
-        seconds = warm_up(engine)
+        compiler = ConstraintCompiler(args.constraint_timeout, args.max_constraint_states)
+        starting = threading.Thread(target=compiler.start, daemon=True)  # its child starts while we compile
+        starting.start()
+
+        def compiled(key, seconds):
+            left = engine.programs.pending()
+            say(
+                f"compiled {key[0]} {key[1]} in {seconds:.1f} s"
+                + (f" ({len(left)} to go)" if left else "; all compiled")
+            )
+
+        engine = Engine(params, config, max_batch=args.max_batch, max_queue=args.max_queue, max_seq=args.max_seq,
+                        max_constraint_states=args.max_constraint_states, constraint_classes=args.constraint_classes,
+                        on_compiled=compiled).start()  # fmt: skip
+        say(f"compiling the essential programs (max_seq={engine.max_seq}, max_batch={engine.max_batch}, "
+            f"dtype {params['wte'].dtype}) ...")  # fmt: skip
+        starting.join()
+        seconds = warm_up(engine, compiler=compiler)
         name = args.model_name or args.model or "shakespeare"
-        app = create_app(engine, tokenizer(), name)
+        app = create_app(engine, tokenizer(), name, api_keys=keys, compiler=compiler, playground=not args.no_playground)
 
         def stop_engine() -> None:
             app.state.stopping = True  # new requests: 503
@@ -98,10 +146,10 @@ def run_serve(args: argparse.Namespace) -> int:
             async def startup(self, sockets=None):
                 await super().startup(sockets=sockets)
                 if self.started:
-                    say(
-                        f"{name} (max_batch={engine.max_batch}, max_queue={engine.max_queue}, max_seq="
-                        f"{engine.max_seq}), compiled in {seconds:.1f} s"
-                    )
+                    left = len(engine.programs.pending())
+                    say(f"{name} (max_batch={engine.max_batch}, max_queue={engine.max_queue}, max_seq="
+                        f"{engine.max_seq}), ready after {seconds:.1f} s of compiling; {left} programs compiling "
+                        f"in the background{'; API keys required' if keys else ''}")  # fmt: skip
                     shown = f"[{host}]" if family == socket.AF_INET6 else host
                     say(f"ready on http://{shown}:{port}")
 
@@ -117,8 +165,12 @@ def run_serve(args: argparse.Namespace) -> int:
             stopping[0].join(timeout=60)
         elif engine is not None:
             engine.stop()
+        if compiler is not None:
+            compiler.stop()
         sock.close()
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
     say("stopped")
-    return 0
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # a program compiling in the background must not keep the process alive

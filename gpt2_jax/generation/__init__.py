@@ -5,6 +5,7 @@ decode.py       prefill, draw, feed, decode_step, the jitted decode loop (gpt-fa
 generator.py    generate and generate_stream, the public entry points
 completion.py   complete: text in, text out, cut as OpenAI does
 stop_strings.py stop strings, matched on the host
+scoring.py      prompt_logprobs, sequence_logprobs: given tokens scored as generate reports them
 speculative/    speculative decoding that keeps plain decoding's tokens
 """
 
@@ -12,6 +13,7 @@ from gpt2_jax.generation.batching import Prepared, bucket, cache_capacity, prepa
 from gpt2_jax.generation.completion import Completion, complete
 from gpt2_jax.generation.decode import TOP_LOGPROBS, DecodeState, Rules, Step, StopRule, decode_step, halt, prefill
 from gpt2_jax.generation.generator import GenerateResult, encoding, generate, generate_stream, start, token_bytes
+from gpt2_jax.generation.scoring import PromptScores, prompt_logprobs, score_tokens, sequence_logprobs
 from gpt2_jax.generation.stop_strings import StopMatcher
 
 __all__ = [
@@ -20,6 +22,7 @@ __all__ = [
     "DecodeState",
     "GenerateResult",
     "Prepared",
+    "PromptScores",
     "Rules",
     "Step",
     "StopMatcher",
@@ -34,6 +37,9 @@ __all__ = [
     "halt",
     "prefill",
     "prepare",
+    "prompt_logprobs",
+    "score_tokens",
+    "sequence_logprobs",
     "start",
     "token_bytes",
 ]  # fmt: skip

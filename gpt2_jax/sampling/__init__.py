@@ -35,7 +35,7 @@ from gpt2_jax.sampling.filters import (
     top_p_mask,
 )  # fmt: skip
 from gpt2_jax.sampling.options import pack_processors, process_logits, processor_settings
-from gpt2_jax.sampling.params import SamplingParams, sampling_rows
+from gpt2_jax.sampling.params import BOUNDS, MAX_STOP_STRINGS, RULES, SamplingParams, sampling_rows
 from gpt2_jax.sampling.processors import (
     MAX_NGRAM,
     ProcessorSettings,
@@ -51,11 +51,14 @@ from gpt2_jax.sampling.processors import (
 from gpt2_jax.sampling.settings import RowSettings, check_sampling_args, pack_settings, row_keys, row_settings
 
 __all__ = [
+    "BOUNDS",
     "CANDIDATES",
     "FULL",
     "GREEDY",
     "MAX_NGRAM",
+    "MAX_STOP_STRINGS",
     "PLAIN",
+    "RULES",
     "WINDOW",
     "ProcessorSettings",
     "ProcessorState",

@@ -47,6 +47,22 @@ RULES: dict[str, tuple[Any, str, Any]] = {
 }  # fmt: skip
 
 
+# The same ranges as JSON-schema bounds, for the documents that describe these settings (the server's OpenAPI).
+BOUNDS: dict[str, dict] = {
+    "max_new_tokens": {"minimum": 1},
+    "temperature": {"minimum": 0},
+    "top_k": {"minimum": 0},
+    "top_p": {"exclusiveMinimum": 0, "maximum": 1},
+    "min_p": {"minimum": 0, "maximum": 1},
+    "repetition_penalty": {"exclusiveMinimum": 0},
+    "frequency_penalty": {"minimum": -2, "maximum": 2},
+    "presence_penalty": {"minimum": -2, "maximum": 2},
+    "no_repeat_ngram_size": {"minimum": 0, "maximum": MAX_NGRAM},
+    "min_new_tokens": {"minimum": 0},
+    "top_logprobs": {"minimum": 0, "maximum": MAX_TOP_LOGPROBS},
+}
+
+
 def check_values(name: str, value: Any, batch_size: int | None = None) -> np.ndarray:
     """Check one setting against RULES -> it as an array. A scalar, or (batch_size given) one value per row
     [B]; the dtype must be an integer (or a float, for the float settings), and NaN fails every rule.

@@ -16,17 +16,14 @@ import secrets
 import time
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 from fastapi.responses import StreamingResponse
 
 from gpt2_jax.errors import GPT2JaxError
-from gpt2_jax.generation import bucket
-from gpt2_jax.model import forward
+from gpt2_jax.generation import prompt_logprobs as score_prompts
 from gpt2_jax.sampling import SamplingParams, constraints
 from gpt2_jax.serving.engine import Cancelled, Engine, Request
 from gpt2_jax.serving.metrics import Metrics
+from gpt2_jax.serving.rows import row_key
 from gpt2_jax.serving.schema import ApiError, CompletionRequest
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -115,40 +112,19 @@ def _logprobs_object(enc: Any, tokens: list, logprobs: list, tops: list, offset:
             "top_logprobs": top, "text_offset": offsets}  # fmt: skip
 
 
-@jax.jit
-def _score_prompt(logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """logits [1, P, V] of tokens [1, P] -> log p(token t | tokens < t) for t >= 1, and the MAX_LOGPROBS most
-    likely ids and logprobs after each position."""
-    logp = jax.nn.log_softmax(logits[0, :-1].astype(jnp.float32), axis=-1)
-    picked = jnp.take_along_axis(logp, tokens[0, 1:, None], axis=-1)[:, 0]
-    values, ids = jax.lax.top_k(logp, MAX_LOGPROBS)
-    return picked, ids, values
-
-
 def prompt_logprobs(params: Any, config: Any, ids: list[int], top_n: int) -> tuple[list, list]:
-    """One gpt2_jax.forward pass over a prompt -> (logprobs, top) per prompt token, the first None. The
-    prompt is padded to its length bucket, so a new length rarely compiles."""
-    P = bucket(len(ids), config.n_positions)
-    tokens = np.zeros((1, P), np.int32)
-    tokens[0, : len(ids)] = ids
-    logits = forward(params, tokens, config)[..., : config.valid_vocab]
-    picked, top_ids, top_lps = jax.device_get(_score_prompt(logits, jnp.asarray(tokens)))
-    n = len(ids)
-    lps = [None] + picked[: n - 1].tolist()
-    tops = [None] + [(i[:top_n].tolist(), v[:top_n].tolist()) for i, v in zip(top_ids[: n - 1], top_lps[: n - 1])]
-    return lps, tops
-
-
-def row_key(seed: int, index: int) -> jax.Array:
-    """Choice `index`'s key: generate's key for row `index` of a batch sampled with jax.random.key(seed)."""
-    return jax.random.fold_in(jax.random.key(seed), index)
+    """A prompt's echo: (logprobs, top) per prompt token, the first None, from gpt2_jax's scoring, so each is the
+    logprob generate would report had it sampled that token there (lm-eval's loglikelihood), bit for bit."""
+    scores = score_prompts(params, config, [ids], max(top_n, 1))
+    tops = [None] + [(i[:top_n], v[:top_n]) for i, v in zip(scores.top_ids[0][1:], scores.top_logprobs[0][1:])]
+    return scores.logprobs[0], tops
 
 
 # ---- the request ---------------------------------------------------------------------------------------------
 class Plan:
     """A validated request: its prompts as token ids and text, and the engine's per-row settings."""
 
-    def __init__(self, req: CompletionRequest, engine: Engine, enc: Any):
+    def __init__(self, req: CompletionRequest, engine: Engine, enc: Any, compiler: Any = None):
         config = engine.config
         self.n = 1 if req.n is None else req.n
         if self.n < 1:
@@ -180,7 +156,7 @@ class Plan:
                 raise ApiError(400, f"prompt {p}: {len(ids)} prompt tokens + max_tokens={self.max_tokens} exceed "
                                     f"this server's max_seq={engine.max_seq}", param="max_tokens",
                                code="context_length_exceeded")  # fmt: skip
-        self.sampling = self._sampling(req, self.max_tokens, self.top_n)
+        self.sampling = self._sampling(req, self.max_tokens, self.top_n, compiler, config)
         if self.sampling.min_new_tokens > self.max_tokens:
             raise ApiError(400, f"min_tokens={req.min_tokens} must be <= max_tokens={self.max_tokens}",
                            param="min_tokens")  # fmt: skip
@@ -212,9 +188,11 @@ class Plan:
         return ids, texts
 
     @staticmethod
-    def _sampling(req: CompletionRequest, max_tokens: int, top_n: int | None) -> SamplingParams:
+    def _sampling(req: CompletionRequest, max_tokens: int, top_n: int | None, compiler: Any = None,
+                  config: Any = None) -> SamplingParams:  # fmt: skip
         """The request's settings as one SamplingParams (OpenAI's and vLLM's names mapped onto its fields;
-        it checks every range, and errors name the API's field)."""
+        it checks every range, and errors name the API's field). A constraint is compiled by `compiler`
+        (serving.constraint_worker, a child process) when given, else here."""
         o: dict[str, Any] = {
             "max_new_tokens": max(max_tokens, 1),
             "logprobs": top_n is not None,
@@ -242,12 +220,12 @@ class Plan:
             raise ApiError(400, f"give at most one of regex, choice and json_schema, got {', '.join(given)}",
                            param=given[1])  # fmt: skip
         try:
-            if req.regex is not None:
-                o["constraint"] = constraints.regex(req.regex)
-            elif req.choice is not None:
-                o["constraint"] = constraints.choice(req.choice)
-            elif req.json_schema is not None:
-                o["constraint"] = constraints.json_schema(req.json_schema)
+            if given:
+                payload = getattr(req, given[0])
+                if compiler is None:
+                    o["constraint"] = getattr(constraints, given[0])(payload)
+                else:
+                    o["constraint"] = compiler.compile(given[0], payload, config.vocab_size, config.eos_id)
         except GPT2JaxError as e:
             raise ApiError(400, str(e), param=given[0]) from None
         return SamplingParams(**o)

@@ -61,6 +61,7 @@ class Metrics:
         gauges = [("queue_length", "requests waiting for a slot", stats["queued"]),
                   ("active_slots", "slots generating now", stats["active"]),
                   ("max_batch", "slots", engine.max_batch), ("max_queue", "queue capacity", engine.max_queue),
+                  ("compiling_programs", "programs queued or being compiled in the background", stats["compiling"]),
                   ("tokens_per_second", f"generated tokens per second over the last {RATE_WINDOW} s",
                    self.tokens_per_second())]  # fmt: skip
         counters = [

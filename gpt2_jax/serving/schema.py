@@ -1,15 +1,23 @@
-"""The /v1/completions request schema and OpenAI-shaped errors."""
+"""The request bodies (/v1/completions, /tokenize, /detokenize) and OpenAI-shaped errors."""
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict
 
 from gpt2_jax.errors import GPT2JaxError
 from gpt2_jax.serving.engine import Cancelled, QueueFull
+
+
+def _integral(value: Any) -> Any:
+    """JSON Schema's integer: 3.0 is one (strict mode would refuse it); 3.5, "3" and true stay refused."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
 
 
 class StreamOptions(BaseModel):
@@ -23,31 +31,105 @@ class CompletionRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
     model: str
-    prompt: str | list[str] | list[int] | list[list[int]] | None = None
-    max_tokens: int | None = None
+    prompt: str | list[str] | list[Int] | list[list[Int]] | None = None
+    max_tokens: Int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int | None = None
+    n: Int | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    logprobs: int | None = None
+    logprobs: Int | None = None
     echo: bool | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    best_of: int | None = None
+    best_of: Int | None = None
     suffix: str | None = None
     # vLLM's extensions
-    top_k: int | None = None
+    top_k: Int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int | None = None
+    min_tokens: Int | None = None
     regex: str | None = None
     choice: list[str] | None = None
     json_schema: dict[str, Any] | None = None
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize body: text -> its token ids."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    prompt: str
+    model: str | None = None
+    add_special_tokens: bool | None = None  # accepted for vLLM's clients; GPT-2 adds none
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's /detokenize body: token ids -> their text."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    tokens: list[Int]
+    model: str | None = None
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class Logprobs(BaseModel):
+    """OpenAI's legacy logprobs object: per token its string, logprob, top alternatives and text offset."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float | None] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    text: str
+    index: int
+    logprobs: Logprobs | None = None
+    finish_reason: str | None = None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionResponse(BaseModel):
+    """A completion (and, streamed, each server-sent event's JSON: choices with text deltas)."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    seed: int
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """What every error answers, as OpenAI's API does."""
+
+    error: ErrorDetail
 
 
 # gpt2_jax's names for settings, as the API calls them (errors name the API's field)
@@ -63,13 +145,13 @@ class ApiError(Exception):
     ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
-        self.kind = kind or {400: "invalid_request_error", 404: "invalid_request_error",
+        self.kind = kind or {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
                              429: "rate_limit_error", 503: "server_error"}.get(status, "server_error")  # fmt: skip
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
-    def response(self, headers: dict | None = None) -> JSONResponse:
+    def response(self, headers: Any = None) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 

@@ -25,8 +25,24 @@ outlines-core unrolls recursive JSON schemas to a fixed depth instead.
   tables.py     pack -> ConstraintTables (padded to buckets), allowed, advance
 """
 
-from gpt2_jax.sampling.constraints.automaton import GPT2_EOS, GPT2_VOCAB, Automaton, compile_constraint, gpt2_vocabulary
-from gpt2_jax.sampling.constraints.spec import Constraint, ConstraintError, choice, escape, json_schema, regex
+from gpt2_jax.sampling.constraints.automaton import (
+    GPT2_EOS,
+    GPT2_VOCAB,
+    Automaton,
+    compile_constraint,
+    gpt2_vocabulary,
+    remember,
+)
+from gpt2_jax.sampling.constraints.spec import (
+    MAX_STATES,
+    Constraint,
+    ConstraintError,
+    choice,
+    escape,
+    estimate_states,
+    json_schema,
+    regex,
+)
 from gpt2_jax.sampling.constraints.tables import (
     FREE,
     MIN_C,
@@ -41,7 +57,7 @@ from gpt2_jax.sampling.constraints.tables import (
 )  # fmt: skip
 
 __all__ = [
-    "FREE", "GPT2_EOS", "GPT2_VOCAB", "MIN_C", "MIN_G", "MIN_Q", "Automaton", "Constraint", "ConstraintError",
+    "FREE", "GPT2_EOS", "GPT2_VOCAB", "MAX_STATES", "MIN_C", "MIN_G", "MIN_Q", "Automaton", "Constraint", "ConstraintError",
     "ConstraintTables", "advance", "allowed", "bucket", "choice", "compile_constraint", "escape",
-    "gpt2_vocabulary", "json_schema", "nbytes", "pack", "regex",
+    "estimate_states", "gpt2_vocabulary", "json_schema", "nbytes", "pack", "regex", "remember",
 ]  # fmt: skip

@@ -164,7 +164,20 @@ def compile_constraint(c: Constraint, vocab_size: int = GPT2_VOCAB, eos_id: int 
     Token ids from 50256 up to vocab_size - 1 (padding) are never allowed; eos_id is allowed exactly
     in the accepting states, through Automaton.accept, not through a class.
     """
-    return _compile(c, int(vocab_size), int(eos_id))
+    known = _remembered.get((c, int(vocab_size), int(eos_id)))
+    return known if known is not None else _compile(c, int(vocab_size), int(eos_id))
+
+
+_remembered: dict = {}
+
+
+def remember(c: Constraint, vocab_size: int, eos_id: int, automaton: Automaton) -> Automaton:
+    """Make compile_constraint return `automaton` for (c, vocab_size, eos_id): one compiled elsewhere (the
+    server compiles constraints in a separate process, so that outlines-core never holds this one's GIL)."""
+    _remembered[(c, int(vocab_size), int(eos_id))] = automaton
+    if len(_remembered) > 256:
+        _remembered.pop(next(iter(_remembered)))
+    return automaton
 
 
 @functools.lru_cache(maxsize=64)
@@ -189,5 +202,10 @@ def _compile(c: Constraint, vocab_size: int, eos_id: int) -> Automaton:
     return Automaton(class_of, next_state, accept, time.perf_counter() - start)
 
 
-compile_constraint.cache_clear = _compile.cache_clear  # for benches: time a cold compile
+def _clear() -> None:
+    _compile.cache_clear()
+    _remembered.clear()
+
+
+compile_constraint.cache_clear = _clear  # for benches: time a cold compile
 gpt2_vocabulary.cache_clear = _vocabulary.cache_clear

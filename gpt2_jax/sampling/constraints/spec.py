@@ -57,6 +57,48 @@ def regex_problem(pattern: str) -> str | None:
     return None
 
 
+MAX_STATES = 1 << 16  # the library's bound on a pattern's size (estimate_states); a server sets its own
+
+
+def estimate_states(pattern: str) -> int | None:
+    """A quick size estimate of `pattern`'s automaton, in milliseconds whatever the pattern: its character
+    positions with bounded repeats expanded (a{1000} is 1000, (ab|c){3} is 9, a* is 1). A token-level DFA
+    has at least about this many states (a{100000} would take outlines-core minutes to index). None when
+    Python's regex parser cannot read the pattern (outlines-core reads Rust syntax; most patterns parse)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import sre_constants as sc
+        import sre_parse
+
+    def size(items) -> int:
+        total = 0
+        for op, arg in items:
+            if op in (sc.MAX_REPEAT, sc.MIN_REPEAT, getattr(sc, "POSSESSIVE_REPEAT", None)):
+                lo, hi, inner = arg
+                total += (max(lo, 1) if hi == sc.MAXREPEAT else hi) * size(inner)
+            elif op is sc.SUBPATTERN:
+                total += size(arg[-1])
+            elif op is sc.BRANCH:
+                total += sum(size(b) for b in arg[1])
+            elif op in (sc.LITERAL, sc.NOT_LITERAL, sc.ANY, sc.IN, sc.CATEGORY):
+                total += 1
+        return total
+
+    try:
+        return size(sre_parse.parse(pattern))
+    except Exception:  # Rust-only syntax, or something Python rejects: let outlines-core judge it
+        return None
+
+
+def check_size(pattern: str, max_states: int, what: str) -> None:
+    """ConstraintError when the pattern's estimated size is over max_states (before any costly indexing)."""
+    n = estimate_states(pattern)
+    if n is not None and n > max_states:
+        raise ConstraintError(f"{what} is too large: about {n} states, over the limit of {max_states} states")
+
+
 @dataclass(frozen=True, repr=False)
 class Constraint:
     """A validated constraint on generated text: `source` is the regex the whole output must match.
@@ -68,12 +110,19 @@ class Constraint:
     kind: str
     source: str
     description: str = field(default="", compare=False)
+    # validate=False skips outlines-core's check of the regex: for a source that was already checked (in
+    # another process, say); max_states bounds the pattern's estimated size first, so a huge pattern fails fast.
+    validate: bool = field(default=True, compare=False)
+    max_states: int = field(default=MAX_STATES, compare=False)
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ConstraintError(f"constraint kind must be one of {KINDS}, got {self.kind!r}")
         if not isinstance(self.source, str):
             raise ConstraintError(f"constraint source must be a regex string, got {type(self.source).__name__}")
+        check_size(self.source, self.max_states, self.description or f"{self.kind} constraint")
+        if not self.validate:
+            return
         problem = regex_problem(self.source)
         if problem is not None:
             what = self.description or f"{self.kind} constraint"
@@ -91,14 +140,15 @@ def _short(text: str, n: int = 60) -> str:
     return r if len(r) <= n else r[: n - 4] + "...'"
 
 
-def regex(pattern: str) -> Constraint:
-    """The output must match `pattern` completely (Rust regex syntax, as outlines-core reads it)."""
+def regex(pattern: str, *, validate: bool = True, max_states: int = MAX_STATES) -> Constraint:
+    """The output must match `pattern` completely (Rust regex syntax, as outlines-core reads it). A pattern
+    estimated over max_states states is refused at once (see estimate_states)."""
     if not isinstance(pattern, str):
         raise ConstraintError(f"regex pattern must be a str, got {type(pattern).__name__}")
-    return Constraint("regex", pattern, f"regex {_short(pattern)}")
+    return Constraint("regex", pattern, f"regex {_short(pattern)}", validate, max_states)
 
 
-def choice(options: list[str]) -> Constraint:
+def choice(options: list[str], *, validate: bool = True, max_states: int = MAX_STATES) -> Constraint:
     """The output must be exactly one of `options` (matched literally; duplicates are harmless)."""
     if isinstance(options, str) or not hasattr(options, "__iter__"):
         raise ConstraintError(f"choice needs a list of strings, got {type(options).__name__}")
@@ -111,10 +161,12 @@ def choice(options: list[str]) -> Constraint:
     unique = list(dict.fromkeys(options))
     source = "(" + "|".join(escape(o) for o in unique) + ")"
     shown = ", ".join(_short(o, 24) for o in unique[:4]) + (", ..." if len(unique) > 4 else "")
-    return Constraint("choice", source, f"choice of {len(unique)}: [{shown}]")
+    return Constraint("choice", source, f"choice of {len(unique)}: [{shown}]", validate, max_states)
 
 
-def json_schema(schema: dict | str, *, whitespace: str | None = None) -> Constraint:
+def json_schema(
+    schema: dict | str, *, whitespace: str | None = None, validate: bool = True, max_states: int = MAX_STATES
+) -> Constraint:
     """The output must be JSON valid under `schema` (a dict, or its JSON text), as outlines-core
     turns it into a regex. `whitespace` is the regex allowed between tokens (outlines' default `[ ]?`)."""
     if isinstance(schema, dict):
@@ -140,4 +192,4 @@ def json_schema(schema: dict | str, *, whitespace: str | None = None) -> Constra
         source = build_regex_from_schema(text, whitespace)
     except Exception as e:  # ValueError or TypeError from the Rust side
         raise ConstraintError(f"invalid JSON schema {_short(text)}: outlines-core says: {str(e).strip()}") from None
-    return Constraint("json_schema", source, f"JSON schema {_short(text)}")
+    return Constraint("json_schema", source, f"JSON schema {_short(text)}", validate, max_states)

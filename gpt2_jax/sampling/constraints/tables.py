@@ -47,11 +47,14 @@ def nbytes(tables: ConstraintTables) -> int:
     return sum(np.asarray(a).nbytes for a in tables)
 
 
-def pack(automata: list[Automaton | None], vocab_size: int) -> ConstraintTables:
+def pack(
+    automata: list[Automaton | None], vocab_size: int, shape: tuple[int, int, int] | None = None
+) -> ConstraintTables:
     """One entry per batch row (None = free row) -> one set of global tables.
 
     Identical automaton objects (compile_constraint's cache returns the same one for the same
-    constraint) are stored once.
+    constraint) are stored once. shape (G, Q, C): fixed table sizes instead of buckets (a server's: one
+    compiled step for every constraint), a ConstraintError when the automata need more.
     """
     distinct: dict[int, int] = {}  # id(automaton) -> group
     parts: list[Automaton] = []
@@ -69,6 +72,13 @@ def pack(automata: list[Automaton | None], vocab_size: int) -> ConstraintTables:
     n_states = 1 + sum(a.next_state.shape[0] for a in parts)
     n_classes = max([1] + [a.next_state.shape[1] for a in parts])
     G, Q, C = _bucket(1 + len(parts), MIN_G), _bucket(n_states, MIN_Q), _bucket(n_classes, MIN_C)
+    if shape is not None:
+        need = {"automata (+ the free one)": (1 + len(parts), shape[0]), "states": (n_states, shape[1]),
+                "token classes": (n_classes, shape[2])}  # fmt: skip
+        for what, (n, cap) in need.items():
+            if n > cap:
+                raise ConstraintError(f"the constraints need {n} {what}, over the tables' capacity of {cap}")
+        G, Q, C = shape
     class_of = np.zeros((G, vocab_size), np.int32)  # padded groups: class 0, used by no row
     next_state = np.full((Q, C), -1, np.int32)
     accept = np.zeros(Q, bool)

@@ -1,0 +1,108 @@
+"""Constraints compiled in a child process, so that no request's constraint can stall the others.
+
+outlines-core builds a pattern's index in Rust without releasing Python's GIL, for as long as the pattern
+takes (seconds for a large JSON schema, minutes for a{100000}); in the server's process that would freeze
+the engine thread and every stream with it. So the server sends each new constraint (its kind and payload)
+to one child process, which builds the Constraint and its Automaton and sends back the tables; a compile
+that outlasts the timeout is killed (the next one starts a fresh child). The parent then holds a Constraint
+that needs no second check and has its Automaton remembered, so compile_constraint finds it at once.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+from typing import Any
+
+from gpt2_jax.sampling import constraints
+
+KINDS = ("regex", "choice", "json_schema")
+
+
+def _child(conn: Any) -> None:
+    """The child's loop: (kind, payload, vocab_size, eos_id, max_states) in, ("ok", ...) or ("error", text) out."""
+    import os
+
+    from gpt2_jax.sampling import constraints as C
+
+    os.nice(10)  # the engine's decode steps come first when the cores are busy
+    C.gpt2_vocabulary()  # built once, before the first request
+    conn.send(("ready",))
+    while True:
+        try:
+            kind, payload, vocab, eos, max_states = conn.recv()
+        except EOFError:
+            return
+        try:
+            c = getattr(C, kind)(payload, max_states=max_states)
+            a = C.compile_constraint(c, vocab, eos)
+            conn.send(("ok", c.source, c.description, a.class_of, a.next_state, a.accept, a.build_seconds))
+        except Exception as e:  # a bad pattern is this request's error, never the child's end
+            conn.send(("error", str(e)))
+
+
+class ConstraintCompiler:
+    """Compile constraints in a child process with a time limit; one at a time (a lock), from any thread."""
+
+    def __init__(self, timeout: float = 30.0, max_states: int = constraints.MAX_STATES):
+        self.timeout, self.max_states = timeout, max_states
+        self.lock = threading.Lock()
+        self.proc: Any = None
+        self.conn: Any = None
+        self.cache: dict = {}
+
+    def start(self) -> ConstraintCompiler:
+        """Start the child now (it imports gpt2_jax and builds GPT-2's outlines vocabulary: a few seconds)."""
+        with self.lock:
+            self._spawn()
+        return self
+
+    def _spawn(self) -> None:
+        if self.proc is not None and self.proc.is_alive():
+            return
+        ctx = multiprocessing.get_context("spawn")  # never fork a process that holds XLA's threads
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_child, args=(child,), name="gpt2-jax-constraints", daemon=True)
+        self.proc.start()
+        child.close()
+        if not self.conn.poll(120) or self.conn.recv() != ("ready",):
+            self.stop()
+            raise RuntimeError("the constraint compiler's process did not start")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.join(5)
+        self.proc = self.conn = None
+
+    def compile(self, kind: str, payload: Any, vocab_size: int, eos_id: int) -> constraints.Constraint:
+        """The Constraint for (kind, payload), its Automaton remembered for compile_constraint. ConstraintError
+        for a bad pattern, one over max_states, or one that takes longer than the timeout to compile."""
+        if kind not in KINDS:
+            raise constraints.ConstraintError(f"constraint kind must be one of {KINDS}, got {kind!r}")
+        if eos_id is None:
+            raise constraints.ConstraintError("a constraint needs an EOS id to end on; this model has none")
+        if kind == "regex" and isinstance(payload, str):  # refused before it reaches the child: milliseconds
+            constraints.regex(payload, validate=False, max_states=self.max_states)
+        key = (kind, repr(payload), vocab_size, eos_id)
+        if key in self.cache:
+            return self.cache[key]
+        with self.lock:
+            self._spawn()
+            self.conn.send((kind, payload, vocab_size, eos_id, self.max_states))
+            if not self.conn.poll(self.timeout):
+                self.stop()  # killed mid-compile; the next request starts a fresh child
+                raise constraints.ConstraintError(
+                    f"the {kind} constraint did not compile within {self.timeout:g} s (the server's "
+                    f"--constraint-timeout); simplify the pattern"
+                )
+            reply = self.conn.recv()
+        if reply[0] == "error":
+            raise constraints.ConstraintError(reply[1])
+        _, source, description, class_of, next_state, accept, seconds = reply
+        c = constraints.Constraint(kind, source, description, validate=False, max_states=self.max_states)
+        constraints.remember(c, vocab_size, eos_id, constraints.Automaton(class_of, next_state, accept, seconds))
+        self.cache[key] = c
+        if len(self.cache) > 256:
+            self.cache.pop(next(iter(self.cache)))
+        return c

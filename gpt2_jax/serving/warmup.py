@@ -1,0 +1,67 @@
+"""Start-up: compile the programs the first requests need, serve, and build the rest in the background.
+
+The essential set (the decode step and the smallest prompt bucket's prefill) is compiled before the server
+reports ready, and one request of each kind runs through the engine (a plain one, a constrained one) so the
+small programs that move rows into slots compile too. Everything else is queued behind: the decode step
+with top logprobs, every larger prompt bucket, the echo scoring pass of each bucket. A request that needs
+one of those before it is built waits for it; every other request is served meanwhile (serving.programs).
+/health and the log say what is still compiling.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from gpt2_jax.errors import GPT2JaxError
+from gpt2_jax.generation import prompt_logprobs
+from gpt2_jax.sampling import SamplingParams, constraints
+from gpt2_jax.serving.engine import Engine
+from gpt2_jax.serving.rows import Request, row_key
+
+
+def schedule(engine: Engine, *, echo: bool = True) -> list:
+    """Queue every program, the essential ones first; returns the essential keys."""
+    buckets = engine.buckets()
+    essential = engine.compile(wait=False)[:2]  # the decode step and the smallest prefill, queued first
+    if echo:
+        params, config = engine.params, engine.config
+        for i, b in enumerate(buckets):
+            n = min(b, engine.max_seq)
+            build = lambda n=n: prompt_logprobs(params, config, [[0] * n], 1) is not None
+            engine.programs.want(("score", b), build, priority=3.5 + i)
+    return essential
+
+
+def _run_one(engine: Engine, sampling: SamplingParams, timeout: float) -> None:
+    done, result = threading.Event(), []
+
+    def on_event(kind: str, payload: Any) -> None:
+        if kind != "token":
+            result.append((kind, payload))
+            done.set()
+
+    engine.submit(Request([0], sampling, row_key(0, 0), on_event))
+    if not done.wait(timeout):
+        raise GPT2JaxError(f"warm-up: the engine did not answer within {timeout:.0f} s")
+    if result[0][0] == "error":
+        raise result[0][1]
+
+
+def warm_up(engine: Engine, *, constrained: bool = True, echo: bool = True, wait_all: bool = False,
+            timeout: float = 600.0, compiler: Any = None) -> float:  # fmt: skip
+    """Compile the essential programs and run a request of each kind through the (started) engine; with
+    wait_all, also wait for every background program. Returns the seconds it took."""
+    t0 = time.perf_counter()
+    essential = schedule(engine, echo=echo)
+    if not engine.programs.wait(essential, timeout):
+        raise GPT2JaxError(f"warm-up: the essential programs did not compile within {timeout:.0f} s")
+    _run_one(engine, SamplingParams(max_new_tokens=1), timeout)
+    if constrained and engine.config.eos_id is not None:
+        c = (constraints.choice(["a", "b"]) if compiler is None
+             else compiler.compile("choice", ["a", "b"], engine.config.vocab_size, engine.config.eos_id))  # fmt: skip
+        _run_one(engine, SamplingParams(max_new_tokens=1, constraint=c), timeout)
+    if wait_all:
+        engine.programs.wait(engine.programs.pending(), timeout)
+    return time.perf_counter() - t0
