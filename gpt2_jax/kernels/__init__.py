@@ -19,7 +19,8 @@ compute each output by the same instructions whatever M is:
 
 Both matmuls can skip work a row does not need without changing anything it does need (attention's causal
 corner): `out_ends` / `in_ends`, one int32 per row (see rowdot). An Entry (one layer of the stacked KV
-cache) is read where it lies.
+cache) is read where it lies, and so is a Paged operand (one layer of the paged cache, its blocks found through
+each row's block table: chain_paged in cpu.cc).
 
 Where they do not apply, they are XLA's matmul: on GPU/TPU, inside a mesh (see layers.matmul) and where
 the extension was not built (no C++ compiler at install time) or the CPU lacks AVX2/FMA. `available()`
@@ -31,12 +32,13 @@ batch shapes.
   cpu.cc        the Python module and FFI handlers; the arithmetic is rowdot.h and chain.h
 """
 
-from gpt2_jax.kernels.ffi import Entry, available, chain, cumsum, fits, rowdot, why_unavailable
+from gpt2_jax.kernels.ffi import Entry, Paged, available, chain, cumsum, fits, rowdot, why_unavailable
 from gpt2_jax.kernels.invariance import MIN_REDUCE, min_rows, pad_rows
 
 __all__ = [
     "MIN_REDUCE",
     "Entry",
+    "Paged",
     "available",
     "chain",
     "cumsum",

@@ -32,11 +32,17 @@ inline __mmask16 Lanes16(int64_t n) { return static_cast<__mmask16>((1u << std::
 // arrays are spelled out: an [MR][4] array of vectors makes GCC keep a copy in memory.
 template <int MR>
 __attribute__((target("avx512f,avx2,fma"))) void Tile512(const float* x, int64_t xs, const float* w, int64_t ws,
-                                                         int64_t K, int64_t nn, float* y, int64_t ys) {
+                                                         int64_t K, int64_t nn, float* y, int64_t ys, bool more) {
   const __mmask16 m0 = Lanes16(nn), m1 = Lanes16(nn - 16), m2 = Lanes16(nn - 32), m3 = Lanes16(nn - 48);
   __m512 a0[MR], a1[MR], a2[MR], a3[MR];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) a0[i] = a1[i] = a2[i] = a3[i] = _mm512_setzero_ps();
+  if (more)  // continue the chains y holds (a paged operand's next block of k): a float32 store and load is exact
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      a0[i] = _mm512_maskz_loadu_ps(m0, y + i * ys), a1[i] = _mm512_maskz_loadu_ps(m1, y + i * ys + 16);
+      a2[i] = _mm512_maskz_loadu_ps(m2, y + i * ys + 32), a3[i] = _mm512_maskz_loadu_ps(m3, y + i * ys + 48);
+    }
   for (int64_t k = 0; k < K; ++k) {
     const float* wk = w + k * ws;
     __m512 w0 = _mm512_maskz_loadu_ps(m0, wk), w1 = _mm512_maskz_loadu_ps(m1, wk + 16);
@@ -68,12 +74,16 @@ __attribute__((target("avx2"))) inline __m256i Lanes8(int64_t n) {
 // unchanged.
 template <int MR>
 __attribute__((target("avx2,fma"))) void Tile256(const float* x, int64_t xs, const float* w, int64_t ws,
-                                                 int64_t K, int64_t nn, float* y, int64_t ys) {
+                                                 int64_t K, int64_t nn, float* y, int64_t ys, bool more) {
   for (int64_t n = 0; n < nn; n += 16) {
     const __m256i m0 = Lanes8(nn - n), m1 = Lanes8(nn - n - 8);
     __m256 a0[MR], a1[MR];
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) a0[i] = a1[i] = _mm256_setzero_ps();
+    if (more)
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i)
+        a0[i] = _mm256_maskload_ps(y + i * ys + n, m0), a1[i] = _mm256_maskload_ps(y + i * ys + n + 8, m1);
     for (int64_t k = 0; k < K; ++k) {
       const float* wk = w + k * ws + n;
       __m256 w0 = _mm256_maskload_ps(wk, m0), w1 = _mm256_maskload_ps(wk + 8, m1);
@@ -92,7 +102,23 @@ __attribute__((target("avx2,fma"))) void Tile256(const float* x, int64_t xs, con
   }
 }
 
-using TileFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*, int64_t);
+using TileFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*, int64_t, bool);
+
+// A paged w: the KV cache as a pool of blocks of C slots, one row's blocks listed by its block table
+// (gpt2_jax.model.paged_cache). Keys [K, C] per block are paged along the outputs (slot n lies in block
+// table[n / C] at column n % C); values [C, K] along the chains (slot k in block table[k / C], row k % C),
+// so a chain runs through one block, keeps its accumulators in y, and goes on in the next: the same
+// multiply-adds in the same order as over one contiguous array.
+struct Pages {
+  const float* base;       // block 0 of this problem's (layer, head)
+  const int32_t* table;    // this row's blocks
+  int64_t block_stride;    // floats from one block to the next (H x K x C)
+  int64_t C, blocks;       // slots per block; blocks in the pool (entries are clamped into it)
+  bool keys;               // paged along the outputs (keys) or the chains (values)
+  const float* Block(int64_t j) const {
+    return base + std::clamp<int64_t>(table[j], 0, blocks - 1) * block_stride;
+  }
+};
 
 inline const TileFn* Tiles() {  // Tiles()[r]: r rows (1 <= r <= kMR)
   static const TileFn avx512[] = {nullptr, Tile512<1>, Tile512<2>, Tile512<3>, Tile512<4>, Tile512<5>, Tile512<6>};
@@ -103,7 +129,9 @@ inline const TileFn* Tiles() {  // Tiles()[r]: r rows (1 <= r <= kMR)
 // Rows [m0, m1) x outputs [n0, n1) of y, column tiles outside (a w panel stays in L1 across row tiles).
 // Ends (see rowdot::Ends): kOutputs skips a tile past every row's end and zeroes outputs past each row's
 // own; kInputs stops a tile's chains at its rows' largest end (later products are exact zeros).
-inline void Block(const Problem& p, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+// With pages, w is read through them (p.w unused): keys' output tiles never straddle a block (C is a
+// multiple of a tile's 64 outputs), values' chains go block by block.
+inline void Block(const Problem& p, int64_t m0, int64_t m1, int64_t n0, int64_t n1, const Pages* pages = nullptr) {
   const TileFn* tiles = Tiles();
   for (int64_t n = n0; n < n1; n += 16 * kNV) {
     int64_t nn = std::min<int64_t>(16 * kNV, n1 - n);
@@ -116,7 +144,18 @@ inline void Block(const Problem& p, int64_t m0, int64_t m1, int64_t n0, int64_t 
         continue;
       }
       if (p.mode == Ends::kInputs) K = std::min<int64_t>(K, rowdot::MaxEnd(p, m, mm));
-      tiles[mm](p.x + m * p.K, p.K, p.w + n, p.N, K, nn, y, p.N);
+      if (pages == nullptr) {
+        tiles[mm](p.x + m * p.K, p.K, p.w + n, p.N, K, nn, y, p.N, false);
+      } else if (pages->keys) {
+        tiles[mm](p.x + m * p.K, p.K, pages->Block(n / pages->C) + n % pages->C, pages->C, K, nn, y, p.N, false);
+      } else {
+        int64_t k0 = 0;
+        do {  // at least once: K = 0 stores zeros
+          int64_t kk = std::min<int64_t>(pages->C, K - k0);
+          tiles[mm](p.x + m * p.K + k0, p.K, pages->Block(k0 / pages->C) + n, p.N, kk, nn, y, p.N, k0 > 0);
+          k0 += pages->C;
+        } while (k0 < K);
+      }
       if (p.mode == Ends::kOutputs)
         for (int i = 0; i < mm; ++i) {
           int64_t end = std::clamp<int64_t>(p.ends[m + i] - n, 0, nn);
@@ -129,9 +168,10 @@ inline void Block(const Problem& p, int64_t m0, int64_t m1, int64_t n0, int64_t 
 inline int64_t RowBlocks(const Problem& p) { return (p.M + kRowBlock - 1) / kRowBlock; }
 inline int64_t Items(const Problem& p) { return chain::RowBlocks(p) * ((p.N + kColBlock - 1) / kColBlock); }
 
-inline void Item(const Problem& p, int64_t row_blocks, int64_t i) {
+inline void Item(const Problem& p, int64_t row_blocks, int64_t i, const Pages* pages = nullptr) {
   int64_t rb = i % row_blocks, cb = i / row_blocks;
-  chain::Block(p, rb * kRowBlock, std::min(p.M, (rb + 1) * kRowBlock), cb * kColBlock, std::min(p.N, (cb + 1) * kColBlock));
+  chain::Block(p, rb * kRowBlock, std::min(p.M, (rb + 1) * kRowBlock), cb * kColBlock, std::min(p.N, (cb + 1) * kColBlock),
+               pages);
 }
 
 }  // namespace chain

@@ -37,6 +37,11 @@ struct Shared {
   bool chain;  // chain's arithmetic (w [K, N]) instead of rowdot's (w [N, K])
   int64_t batch, x_step, w_step;
   int64_t row_blocks, per_problem, items;
+  // A paged w (chain only): problem b is row b / heads, head b % heads; its pages start at
+  // pages.base + (b % heads) * head_stride, its table at pages.table + (b / heads) * table_stride.
+  bool paged = false;
+  chain::Pages pages{};
+  int64_t heads = 1, head_stride = 0, table_stride = 0;
   std::atomic<int64_t> next{0}, done{0};
 };
 
@@ -46,7 +51,11 @@ void Work(Shared& s) {
     Problem p = s.p;
     p.x += b * s.x_step, p.w += b * s.w_step, p.y += b * p.M * p.N;
     if (p.ends != nullptr && s.x_step != 0) p.ends += b * p.M;
-    if (s.chain)
+    if (s.paged) {
+      chain::Pages pages = s.pages;
+      pages.base += (b % s.heads) * s.head_stride, pages.table += (b / s.heads) * s.table_stride;
+      chain::Item(p, s.row_blocks, i % s.per_problem, &pages);
+    } else if (s.chain)
       chain::Item(p, s.row_blocks, i % s.per_problem);
     else
       rowdot::Item(p, s.row_blocks, i % s.per_problem);
@@ -56,9 +65,13 @@ void Work(Shared& s) {
 
 // Every problem's work items in one list, shared by XLA's own intra-op threads and this one. The caller
 // waits only for items some thread has claimed, so a task the pool starts late finds nothing left.
-void Run(ffi::ThreadPool& pool, const Problem& p, int64_t batch, int64_t x_step, int64_t w_step, bool chain) {
+void Run(ffi::ThreadPool& pool, const Problem& p, int64_t batch, int64_t x_step, int64_t w_step, bool chain,
+         const Shared* paged = nullptr) {
   if (p.M == 0 || p.N == 0 || batch == 0) return;
   auto s = std::make_shared<Shared>();
+  if (paged != nullptr)
+    s->paged = true, s->pages = paged->pages, s->heads = paged->heads, s->head_stride = paged->head_stride,
+    s->table_stride = paged->table_stride;
   s->p = p, s->chain = chain, s->batch = batch, s->x_step = x_step, s->w_step = w_step;
   s->row_blocks = chain ? chain::RowBlocks(p) : rowdot::RowBlocks(p);
   s->per_problem = chain ? chain::Items(p) : rowdot::Items(p);
@@ -155,6 +168,33 @@ ffi::Error AtEndsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
                   y->typed_data(), ends.typed_data(), static_cast<rowdot::Ends>(mode), kChain);
 }
 
+// chain over a paged w: x [B, H, T, I], pool [L, NB, H, a, b] (blocks of keys [K, C] or values [C, K]),
+// layer [], table [B, M] (row b's blocks in slot order), ends [B, H, T] -> y [B, H, T, M x C] (keys: x . the
+// row's keys, I = K) or [B, H, T, K] (values: I = M x C). Reads every block where it lies in the pool.
+ffi::Error ChainPagedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> blocks,
+                          ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> ends,
+                          ffi::ResultBuffer<ffi::F32> y, int32_t mode, int32_t keys) {
+  auto xd = x.dimensions(), pd = blocks.dimensions(), td = table.dimensions();
+  if (auto e = CheckEnds(xd, ends, mode); e.failure()) return e;
+  if (xd.size() != 4 || pd.size() != 5 || td.size() != 2)
+    return ffi::Error::InvalidArgument("chain_paged: x [B, H, T, I], pool [L, N, H, a, b] and table [B, M]");
+  int64_t B = xd[0], H = xd[1], T = xd[2], I = xd[3], L = pd[0], NB = pd[1], M = td[1];
+  int64_t C = keys ? pd[4] : pd[3], K = keys ? pd[3] : pd[4];
+  if (td[0] != B || pd[2] != H || NB < 1 || C % 64 != 0)
+    return ffi::Error::InvalidArgument("chain_paged: table rows, heads or block size (a multiple of 64) disagree");
+  if (I != (keys ? K : M * C))
+    return ffi::Error::InvalidArgument("chain_paged: x's last dim must be K (keys) or M x C (values)");
+  Shared paged;
+  int64_t l = std::clamp<int64_t>(layer.typed_data()[0], 0, L - 1);
+  paged.pages = chain::Pages{blocks.typed_data() + l * NB * H * K * C, table.typed_data(), H * K * C, C, NB,
+                             keys != 0};
+  paged.heads = H, paged.head_stride = K * C, paged.table_stride = M;
+  Problem p{x.typed_data(), nullptr, y->typed_data(), T, keys ? M * C : K, I, ends.typed_data(),
+            static_cast<rowdot::Ends>(mode)};
+  Run(pool, p, B * H, T * I, 0, true, &paged);
+  return ffi::Error::Success();
+}
+
 // y[..., i] = the float32 nearest the float64 running sum of x[..., 0 .. i]: torch's CPU cumsum of float32,
 // which accumulates in float64. One sequential pass per row, so a row's sums never depend on its batch.
 // (The sampler's prefix sums: XLA has no sequential scan, and the log-depth one it builds instead takes
@@ -198,6 +238,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GPT2JaxRowDotAtEnds, AtEndsImpl<false>,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GPT2JaxChainAt, AtEndsImpl<true>,
                               AtBinding().Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::Buffer<ffi::F32>>().Attr<int32_t>("mode"));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GPT2JaxChainPaged, ChainPagedImpl,
+                              AtBinding().Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>().Attr<int32_t>("mode").Attr<int32_t>("keys"));
+
 // ------------------------------------------------------------------------------------------------ Python
 
 // A handler as a capsule for jax.ffi.register_ffi_target.
@@ -222,6 +266,7 @@ static PyMethodDef kMethods[] = {
     {"handler_at_ends", Capsule<GPT2JaxRowDotAtEnds>, METH_NOARGS, "handler_at taking per-row ends."},
     {"handler_chain", Capsule<GPT2JaxChain>, METH_NOARGS, "chain (w [..., K, N], one FMA chain per output), with ends."},
     {"handler_chain_at", Capsule<GPT2JaxChainAt>, METH_NOARGS, "handler_chain reading one entry of a stacked w."},
+    {"handler_chain_paged", Capsule<GPT2JaxChainPaged>, METH_NOARGS, "handler_chain reading a paged KV cache."},
     {"handler_cumsum", Capsule<GPT2JaxCumSum>, METH_NOARGS, "cumsum: float32 prefix sums accumulated in float64."},
     {"isa", Isa, METH_NOARGS, "Which instruction set the kernel runs with here: 'avx512' or 'avx2'."},
     {"usable", Usable, METH_NOARGS, "Whether this CPU has what the kernel needs (AVX2 and FMA)."},

@@ -25,7 +25,8 @@ _REGISTERED = False
 if _cpu is not None and _cpu.usable() and not _DISABLED:
     for _suffix, _handler in (("", _cpu.handler), ("_at", _cpu.handler_at), ("_ends", _cpu.handler_ends),
                               ("_at_ends", _cpu.handler_at_ends), ("_chain", _cpu.handler_chain),
-                              ("_chain_at", _cpu.handler_chain_at), ("_cumsum", _cpu.handler_cumsum)):  # fmt: skip
+                              ("_chain_at", _cpu.handler_chain_at), ("_chain_paged", _cpu.handler_chain_paged),
+                              ("_cumsum", _cpu.handler_cumsum)):  # fmt: skip
         jax.ffi.register_ffi_target(TARGET + _suffix, _handler(), platform="cpu")
     _REGISTERED = True
 
@@ -50,6 +51,36 @@ class Entry(NamedTuple):
     def get(self) -> jax.Array:
         """The entry as an array of its own (a copy)."""
         return jax.lax.dynamic_index_in_dim(self.stacked, self.index, keepdims=False)
+
+
+class Paged(NamedTuple):
+    """One layer of a paged KV cache (gpt2_jax.model.paged_cache) as chain's w: a pool of blocks of C slots and a
+    block table per row. As an array it is each row's blocks in table order, keys [B, H, K, M x C] (transposed)
+    or values [B, H, M x C, K]; chain reads the blocks where they lie in the pool, `get()` gathers them (a copy)."""
+
+    pool: jax.Array  # [L, N, H, K, C] keys or [L, N, H, C, K] values
+    layer: jax.Array  # [] int32
+    table: jax.Array  # [B, M] int32: row b's blocks, in slot order
+    keys: bool  # the keys' transposed layout (slots last) or the values' (slots second to last)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        _, _, H, a, b = self.pool.shape
+        B, M = self.table.shape
+        return (B, H, a, M * b) if self.keys else (B, H, M * a, b)
+
+    @property
+    def dtype(self):
+        return self.pool.dtype
+
+    def get(self) -> jax.Array:
+        """The rows' blocks in table order as one array: [B, H, K, M x C] or [B, H, M x C, K]."""
+        blocks = jnp.take(jax.lax.dynamic_index_in_dim(self.pool, self.layer, keepdims=False), self.table, axis=0,
+                          mode="clip")  # fmt: skip
+        B, M, H, a, b = blocks.shape  # [B, M, H, K, C] or [B, M, H, C, K]
+        if self.keys:
+            return jnp.einsum("BMHKC->BHKMC", blocks).reshape(B, H, a, M * b)
+        return jnp.einsum("BMHCK->BHMCK", blocks).reshape(B, H, M * a, b)
 
 
 def available() -> str | None:
@@ -135,6 +166,10 @@ def _product(is_chain: bool, x, w, out_ends, in_ends) -> jax.Array:
         ends = jnp.zeros(x.shape[:-1], jnp.int32)  # chain's targets always take ends; NONE ignores them
     if isinstance(w, Entry):
         return _entry(is_chain, x, w, ends, mode)
+    if isinstance(w, Paged):
+        if not is_chain:
+            raise ValueError("a paged operand is chain's (attention's keys and values)")
+        return _paged(x, w, ends, mode)
     if ends is None:
         return _dense(x, w)
     return _dense_ends(x, w, ends, mode, is_chain)
@@ -184,6 +219,22 @@ def _entry(is_chain: bool, x: jax.Array, w: Entry, ends: jax.Array | None, mode:
 
     index = jnp.asarray(w.index, jnp.int32)
     args = (x, w.stacked, index) + (() if ends is None else (ends,))
+    if not _REGISTERED:
+        return other(*args)
+    return jax.lax.platform_dependent(*args, cpu=kernel, default=other)
+
+
+def _paged(x: jax.Array, w: Paged, ends: jax.Array, mode: int) -> jax.Array:
+    out = jax.ShapeDtypeStruct((*x.shape[:-1], w.shape[-1]), F32)
+
+    def kernel(x, pool, layer, table, ends):
+        call = jax.ffi.ffi_call(TARGET + "_chain_paged", out, vmap_method="sequential")
+        return call(x, pool, layer, table, ends, mode=np.int32(mode), keys=np.int32(w.keys))
+
+    def other(x, pool, layer, table, ends):
+        return _masked(_einsum(x, Paged(pool, layer, table, w.keys).get(), True), ends, mode)
+
+    args = (x, w.pool, jnp.asarray(w.layer, jnp.int32), jnp.asarray(w.table, jnp.int32), ends)
     if not _REGISTERED:
         return other(*args)
     return jax.lax.platform_dependent(*args, cpu=kernel, default=other)

@@ -4,6 +4,7 @@
   layers.py      layer_norm, matmul, linear, mlp, attention, block: one pure function per piece
   attention.py   attention's arithmetic (the block-by-block softmax that keeps a row's bits its own)
   kv_cache.py    the KV cache: allocated once, written in place, one write position per row
+  paged_cache.py the paged KV cache: a pool of blocks shared by every row, a block table per row
   gpt2.py        embed, run_blocks (one scan over L), unembed, forward, forward_cached
   layer_loop.py  the layer scan's view of the params (weights read in place)
   axes.py        logical axes: constrain activations by shape letters, on a mesh or not
@@ -19,11 +20,12 @@ from gpt2_jax.model.attention import KEY_BLOCK
 from gpt2_jax.model.axes import constrain, data_size, mesh_of, on_mesh, replicate
 from gpt2_jax.model.gpt2 import apply, check_tokens, embed, forward, forward_cached, run_blocks, trunk, unembed
 from gpt2_jax.model.kv_cache import CacheView, KVCache, cache_bytes, init_cache
+from gpt2_jax.model.paged_cache import NULL_BLOCK, PagedKVCache, PagedView, init_pool, pool_bytes
 from gpt2_jax.model.params import Params, cast_params, init_params, param_bytes, stack_layers, unstack_layers
 
 __all__ = [
-    "KEY_BLOCK", "CacheView", "KVCache", "Params", "apply", "cache_bytes", "cast_params", "check_tokens",
-    "constrain", "data_size", "embed", "forward", "forward_cached", "init_cache", "init_params", "mesh_of",
-    "on_mesh", "param_bytes", "precision", "replicate", "run_blocks", "stack_layers", "trunk", "unembed",
-    "unstack_layers",
+    "KEY_BLOCK", "NULL_BLOCK", "CacheView", "KVCache", "PagedKVCache", "PagedView", "Params", "apply",
+    "cache_bytes", "cast_params", "check_tokens", "constrain", "data_size", "embed", "forward", "forward_cached",
+    "init_cache", "init_params", "init_pool", "mesh_of", "on_mesh", "param_bytes", "pool_bytes", "precision",
+    "replicate", "run_blocks", "stack_layers", "trunk", "unembed", "unstack_layers",
 ]  # fmt: skip

@@ -32,7 +32,7 @@ def attend(
 ) -> jax.Array:
     """q [B, H, T, K] over keys kt [B, H, K, S] (transposed) and values v [B, H, S, K] where mask
     [B or 1, T, S] allows -> [B, H, T, K]. kt and v may be kernels.Entry (a layer of the KV cache,
-    read in place).
+    read in place) or kernels.Paged (a layer of the paged cache, read through its block table).
 
     Built so that a query's result is the same bits whatever else is computed with it, and however
     many key slots follow its own (a forward over T tokens vs a cache of S slots): each score is one
@@ -79,7 +79,8 @@ def attend(
 
 
 def _array(a) -> jax.Array:
-    return a.get() if isinstance(a, kernels.Entry) else a
+    """An operand as one array: a cache entry (kernels.Entry, kernels.Paged) gathered, a copy."""
+    return a if isinstance(a, jax.Array) else a.get()
 
 
 def block_scores(q: jax.Array, kt, n: int, ends: jax.Array | None = None) -> jax.Array:

@@ -11,7 +11,7 @@ import numpy as np
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import InputError
 from gpt2_jax.model.axes import constrain, mesh_of, on_mesh
-from gpt2_jax.model.kv_cache import CacheView, KVCache, visible
+from gpt2_jax.model.kv_cache import CacheView, KVCache
 from gpt2_jax.model.layer_loop import layer_at, n_layers, scan_layers
 from gpt2_jax.model.layers import F32, block, dropout, layer_norm, matmul, within
 from gpt2_jax.model.params import Params
@@ -144,11 +144,11 @@ def forward_cached(
     tap = hooks.tap(config) if hooks else None  # Hooks() is falsy
     B, T = tokens.shape
     slots = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)  # [B, T]: = the tokens' positions
-    view = CacheView(cache.k, cache.v, cache.lengths, visible(cache.lengths, T, cache.capacity))
+    view = cache.view(T)  # a contiguous KVCache or a paged one (model.paged_cache): the same blocks either way
     # Slots past the context only ever hold padding (a finished row, a prompt's right padding): clamping
     # their position keeps the cache finite, since a masked slot's value still meets a zero weight.
     x = constrain(embed(params, tokens, jnp.minimum(slots, config.n_positions - 1), tap), "BTD")
     x, view = run_blocks(params, x, config, view, None, tap)
     if last is not None:
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)  # [B, 1, D]
-    return unembed(params, x, config, tap), KVCache(view.k, view.v, cache.lengths + T)
+    return unembed(params, x, config, tap), cache.after(view, T)

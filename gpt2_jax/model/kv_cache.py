@@ -34,6 +34,14 @@ class KVCache(NamedTuple):
         """2 x L x B x S x D x itemsize."""
         return self.k.nbytes + self.v.nbytes
 
+    def view(self, T: int) -> CacheView:
+        """The cache as the blocks see it while T new tokens per row go in (model.forward_cached)."""
+        return CacheView(self.k, self.v, self.lengths, visible(self.lengths, T, self.capacity))
+
+    def after(self, view: CacheView, T: int) -> KVCache:
+        """The cache once the view's writes are in: every row T tokens longer."""
+        return KVCache(view.k, view.v, self.lengths + T)
+
 
 class CacheView(NamedTuple):
     """The cache as the blocks see it while T new tokens per row go in (built by model.forward_cached)."""
