@@ -252,6 +252,58 @@ def test_chain_gradient_and_entry():
         assert (bits(f(x, stacked, jnp.int32(layer))) == bits(chain(x, stacked[layer], out_ends=ends))).all()
 
 
+_PAGED_SCRIPT = """
+import sys
+import numpy as np
+import jax, jax.numpy as jnp
+from gpt2_jax.kernels import Paged, chain
+
+rng = np.random.default_rng(11)
+L, N, H, K, C, B, M, T = 2, 9, 3, 64, 128, 3, 4, 5
+kp = rng.standard_normal((L, N, H, K, C), np.float32)
+vp = rng.standard_normal((L, N, H, C, K), np.float32)
+table = rng.integers(0, N, (B, M)).astype(np.int32)
+table[0, 1] = table[0, 3]  # a block listed twice (a row sharing it with itself: reads are reads)
+q = rng.standard_normal((B, H, T, K), np.float32)
+ends = rng.integers(0, M * C + 1, (B, H, T)).astype(np.int32)
+w = np.where(np.arange(M * C) < ends[..., None], rng.random((B, H, T, M * C), np.float32), 0).astype(np.float32)
+out = {}
+for layer in (0, 1):
+    kt = Paged(jnp.asarray(kp), jnp.int32(layer), jnp.asarray(table), True)
+    v = Paged(jnp.asarray(vp), jnp.int32(layer), jnp.asarray(table), False)
+    out[f"scores{layer}"] = np.asarray(jax.jit(lambda q, e: chain(q, kt, out_ends=e))(q, ends))
+    out[f"values{layer}"] = np.asarray(jax.jit(lambda w, e: chain(w, v, in_ends=e))(w, ends))
+np.savez(sys.argv[1], **out)
+"""
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+def test_a_paged_operand_is_read_through_its_block_table_with_the_bits_of_the_gathered_array(tmp_path, isa):
+    """kernels.Paged (one layer of the paged KV cache, gpt2_jax.model.paged_cache): chain reads each row's blocks
+    where they lie in the pool, keys paged along the outputs, values along the chains (carried from block to
+    block), and gives the bits chain gives on the row's blocks gathered into one array by numpy."""
+    if isa == "avx2" and kernels.available() != "avx512":
+        pytest.skip("needs an AVX-512 CPU to also run the AVX2 path")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", **({"GPT2_JAX_ROWDOT_ISA": "avx2"} if isa == "avx2" else {}))
+    subprocess.run([sys.executable, "-c", _PAGED_SCRIPT, str(tmp_path / "p.npz")], check=True, env=env, timeout=300)
+    got = np.load(tmp_path / "p.npz")
+    rng = np.random.default_rng(11)  # the script's arrays, drawn in the same order
+    L, N, H, K, C, B, M, T = 2, 9, 3, 64, 128, 3, 4, 5
+    kp = rng.standard_normal((L, N, H, K, C), np.float32)
+    vp = rng.standard_normal((L, N, H, C, K), np.float32)
+    table = rng.integers(0, N, (B, M)).astype(np.int32)
+    table[0, 1] = table[0, 3]
+    q = rng.standard_normal((B, H, T, K), np.float32)
+    ends = rng.integers(0, M * C + 1, (B, H, T)).astype(np.int32)
+    w = np.where(np.arange(M * C) < ends[..., None], rng.random((B, H, T, M * C), np.float32), 0).astype(np.float32)
+    for layer in (0, 1):
+        keys = np.concatenate([kp[layer][table[:, j]] for j in range(M)], axis=-1)  # [B, H, K, M x C]
+        values = np.concatenate([vp[layer][table[:, j]] for j in range(M)], axis=-2)  # [B, H, M x C, K]
+        assert (bits(got[f"scores{layer}"]) == bits(chain(q, keys, out_ends=ends))).all()
+        assert (bits(got[f"values{layer}"]) == bits(chain(w, values, in_ends=ends))).all()
+    assert (got["scores0"] != 0).any() and (got["values1"] != 0).any()
+
+
 def test_cumsum_is_torchs_float64_accumulation_rounded_once_per_prefix():
     """The sampler's prefix sums: numpy's sequential float64 cumsum, rounded to float32, bit for bit, the
     same for a row alone; and a float32 scan (XLA's jnp.cumsum) as the contrast that drifts."""

@@ -20,13 +20,30 @@ def serve_parser(serve: argparse.ArgumentParser, cache_arg) -> None:
     add("--model-name", default=None, help="the model id clients send (default: the --model value, or 'shakespeare')")
     add("--host", default="127.0.0.1", help="address to listen on; beyond localhost, put a TLS proxy in front")
     add("--port", type=int, default=8000, help="port to listen on (0: any free port, printed)")
-    add("--max-batch", type=int, default=8, help="slots: requests generated at once")
-    add("--max-queue", type=int, default=64, help="requests waiting for a slot before 429s")
+    add("--max-batch", type=int, default=32, help="rows: requests generated at once, at most")
+    add("--max-queue", type=int, default=64, help="requests waiting for a row before 429s")
+    add("--max-seq", type=int, default=None, help="prompt + max_tokens limit per request (default: the context)")
     add(
-        "--max-seq",
+        "--num-blocks",
         type=int,
         default=None,
-        help="prompt + max_tokens limit per request, the KV cache's length (default: the context)",
+        help="KV blocks of 128 tokens in the pool every request draws from (default: as many tokens as 8 "
+        "requests of max_seq; a request holds the blocks its prompt and max_tokens need)",
+    )
+    add("--kv-cache-mb", type=float, default=None, help="size the KV pool in MiB instead of --num-blocks")
+    add(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        help="the most prompt tokens computed between two decode steps, so running streams keep flowing while "
+        "a long prompt arrives (default: 64, measured by bench/serve.py)",
+    )
+    add(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT: seconds the requests in flight get to finish (new ones get 503) before the "
+        "rest end with finish_reason 'abort'",
     )
     add(
         "--dtype",
@@ -64,13 +81,28 @@ def api_keys(args: argparse.Namespace) -> list[str]:
     return [k.strip() for k in keys]
 
 
+def pool_blocks(args: argparse.Namespace, config, dtype) -> int | None:
+    """--num-blocks, or --kv-cache-mb as blocks (plus the null block); None: the engine's default."""
+    from gpt2_jax.model import pool_bytes
+
+    if args.num_blocks is not None and args.kv_cache_mb is not None:
+        raise GPT2JaxError("give --num-blocks or --kv-cache-mb, not both")
+    if args.kv_cache_mb is None:
+        return args.num_blocks
+    if args.kv_cache_mb <= 0:
+        raise GPT2JaxError(f"--kv-cache-mb must be > 0, got {args.kv_cache_mb:g}")
+    return int(args.kv_cache_mb * 2**20 // pool_bytes(config, 1, dtype)) + 1
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """gpt2-jax serve: load, start the engine, compile the essential programs, serve while the rest compile in
-    the background, until SIGINT/SIGTERM, which fail the requests in flight, stop the engine and release the
-    port. The process then exits at once (exit 0), whatever is still compiling."""
+    the background, until SIGINT/SIGTERM: new requests then get 503, the ones in flight get --shutdown-timeout
+    seconds to finish (the rest end with finish_reason "abort"), and the port is released. The process then exits
+    at once (exit 0), whatever is still compiling; a second signal stops it without waiting."""
     import signal
     import socket
     import threading
+    import time
 
     try:
         import uvicorn
@@ -80,6 +112,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise GPT2JaxError(f"gpt2-jax serve needs fastapi and uvicorn: pip install 'gpt2-jax[serve]' ({e})") from None
     import jax
 
+    from gpt2_jax.model import KEY_BLOCK, pool_bytes
     from gpt2_jax.parallel import parse_mesh
     from gpt2_jax.serving import ConstraintCompiler, Engine, warm_up
     from gpt2_jax.tokenizer import tokenizer
@@ -122,26 +155,36 @@ def run_serve(args: argparse.Namespace) -> int:
             )
 
         engine = Engine(params, config, max_batch=args.max_batch, max_queue=args.max_queue, max_seq=args.max_seq,
-                        max_constraint_states=args.max_constraint_states, constraint_classes=args.constraint_classes,
-                        on_compiled=compiled).start()  # fmt: skip
-        say(f"compiling the essential programs (max_seq={engine.max_seq}, max_batch={engine.max_batch}, "
-            f"dtype {params['wte'].dtype}) ...")  # fmt: skip
+                        num_blocks=pool_blocks(args, config, params["wte"].dtype), max_constraint_states=
+                        args.max_constraint_states, constraint_classes=args.constraint_classes, on_compiled=compiled,
+                        **({} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk})).start()  # fmt: skip
+        pool_mb = pool_bytes(config, engine.num_blocks, params["wte"].dtype) / 2**20
+        say(f"compiling the essential programs (max_seq={engine.max_seq}, max_batch={engine.max_batch}, KV pool "
+            f"{engine.num_blocks - 1} blocks of {KEY_BLOCK} tokens = {pool_mb:.0f} MiB, prefill chunks of "
+            f"{engine.prefill_chunk}, dtype {params['wte'].dtype}) ...")  # fmt: skip
         starting.join()
         seconds = warm_up(engine, compiler=compiler)
         name = args.model_name or args.model or "shakespeare"
         app = create_app(engine, tokenizer(), name, api_keys=keys, compiler=compiler, playground=not args.no_playground)
 
-        def stop_engine() -> None:
-            app.state.stopping = True  # new requests: 503
-            stopping.append(threading.Thread(target=engine.stop, name="gpt2-jax-stop", daemon=True))
-            stopping[0].start()  # fails the requests in flight, so their connections close
+        def drain(server) -> None:
+            """Let the requests in flight finish (new ones: 503), then stop serving."""
+            stats = engine.stats()
+            say(f"draining: {stats['active']} requests running and {stats['queued']} queued get up to "
+                f"{args.shutdown_timeout:g} s to finish; new requests get 503")  # fmt: skip
+            finished = engine.drain(args.shutdown_timeout)
+            say("drained" if finished else "drained; the requests still running ended with finish_reason 'abort'")
+            time.sleep(0.2)  # their last chunks leave the event loop
+            server.should_exit = True
 
         class Server(uvicorn.Server):
             def handle_exit(self, sig, frame):
-                first = not self.should_exit
-                super().handle_exit(sig, frame)
-                if first:
-                    stop_engine()
+                if stopping:  # a second signal: stop now
+                    self.should_exit = self.force_exit = True
+                    return
+                app.state.stopping = True  # new requests: 503
+                stopping.append(threading.Thread(target=drain, args=(self,), name="gpt2-jax-drain", daemon=True))
+                stopping[0].start()
 
             async def startup(self, sockets=None):
                 await super().startup(sockets=sockets)
@@ -161,10 +204,8 @@ def run_serve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         say("interrupted before it was ready")
     finally:
-        if stopping:
-            stopping[0].join(timeout=60)
-        elif engine is not None:
-            engine.stop()
+        if engine is not None:
+            engine.stop()  # anything still in flight (a forced exit) fails now
         if compiler is not None:
             compiler.stop()
         sock.close()

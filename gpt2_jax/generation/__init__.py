@@ -2,6 +2,7 @@
 
 batching.py     ragged prompts + one SamplingParams per row -> padded arrays, keys and rules (prepare)
 decode.py       prefill, draw, feed, decode_step, the jitted decode loop (gpt-fast's shape)
+paged.py        the same over a paged KV cache, prompts in chunks: the serving engine's state
 generator.py    generate and generate_stream, the public entry points
 completion.py   complete: text in, text out, cut as OpenAI does
 stop_strings.py stop strings, matched on the host
@@ -13,6 +14,7 @@ from gpt2_jax.generation.batching import Prepared, bucket, cache_capacity, prepa
 from gpt2_jax.generation.completion import Completion, complete
 from gpt2_jax.generation.decode import TOP_LOGPROBS, DecodeState, Rules, Step, StopRule, decode_step, halt, prefill
 from gpt2_jax.generation.generator import GenerateResult, encoding, generate, generate_stream, start, token_bytes
+from gpt2_jax.generation.paged import decode_rows, init_paged, prefill_chunk, start_row, stop_rows
 from gpt2_jax.generation.scoring import PromptScores, prompt_logprobs, score_tokens, sequence_logprobs
 from gpt2_jax.generation.stop_strings import StopMatcher
 
@@ -30,16 +32,21 @@ __all__ = [
     "bucket",
     "cache_capacity",
     "complete",
+    "decode_rows",
     "decode_step",
     "encoding",
     "generate",
     "generate_stream",
     "halt",
+    "init_paged",
     "prefill",
+    "prefill_chunk",
     "prepare",
     "prompt_logprobs",
     "score_tokens",
     "sequence_logprobs",
     "start",
+    "start_row",
+    "stop_rows",
     "token_bytes",
 ]  # fmt: skip

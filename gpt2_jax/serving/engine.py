@@ -1,64 +1,66 @@
-"""The serving engine: continuous batching over a fixed set of slots that share one preallocated KV cache.
+"""The serving engine: continuous batching over rows that share one pool of KV blocks.
 
-A request is one row of `generate`: its prompt is prefilled alone (the same `prefill`), its row state is
-copied into a free slot, and from then on one decode step (the same `decode_step` generate_stream runs)
-advances every slot at once. Each slot has its own position, key, sampling settings, processors, constraint
-state and stop strings, so a request joins as soon as a slot is free and leaves the moment it finishes.
-Because a row's bits never depend on its neighbours, the slot it got, the cache size or when it arrived, a
-served request gives exactly the tokens and logprobs of `generate` run on it alone with the same key.
+A request is one row of `generate`. At admission it gets the blocks its prompt and output need (serving.blocks),
+the leading ones straight from the prefix cache when another request already computed the same tokens. Its prompt
+then goes in chunk by chunk (at most prefill_chunk tokens per engine step, generation.paged.prefill_chunk), each
+chunk between two decode steps, so the running streams keep flowing while a long prompt arrives. Then it joins
+the decode steps, which advance every decoding row at once (decode_rows over the first 2, 8, 32, ... rows, the
+smallest compiled size that covers them), and leaves the moment it finishes; its named blocks stay cached.
+Because a row's bits never depend on its neighbours, its row, its blocks, who computed a shared block, the chunks
+its prompt was cut into or when it arrived, a served request gives exactly the tokens and logprobs of `generate`
+run on it alone with the same key.
 
-No request stalls the others. Every program the engine runs is compiled ahead of time off the engine thread
-(serving.programs): a request whose prompt bucket is not compiled yet waits in the queue while the others
-stream. The constraint tables have one fixed shape (every constraint, one decode program), and constraints
-themselves are compiled in a child process (serving.constraint_worker) before their request is queued.
+No request stalls the others: every program is compiled ahead of time off the engine thread (serving.programs),
+and a request waits in the queue until its programs, blocks and constraint-table room are there, while the others
+run (one that only waits for programs or table room lets the ones behind it pass; one that waits for blocks does
+not, so a long request is not starved by short ones).
 
-The engine runs in one background thread; `submit` may be called from any thread and reports back through
-the request's callback (called on the engine thread).
-
-Shape legend: B slots, S cache slots per row, V vocab; constraint tables G automata, Q states, C classes.
+The engine runs in one background thread; `submit` may be called from any thread and reports back through the
+request's callback (called on the engine thread). `drain` stops admitting and lets the requests in flight finish.
 """
 
 from __future__ import annotations
 
 import collections
 import threading
+import time
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import ConfigError, InputError
-from gpt2_jax.generation import TOP_LOGPROBS, StopMatcher, decode_step, halt, prefill, prepare, token_bytes
+from gpt2_jax.generation import StopMatcher, bucket, prepare, token_bytes
 from gpt2_jax.model import KEY_BLOCK, Params
-from gpt2_jax.sampling import SamplingParams, constraints
-from gpt2_jax.serving.programs import Programs
-from gpt2_jax.serving.rows import Cancelled, QueueFull, Request, Slot, fit, fixed_processors, insert, set_automaton
+from gpt2_jax.sampling import constraints
+from gpt2_jax.serving.blocks import BlockPool
+from gpt2_jax.serving.engine_programs import EnginePrograms
+from gpt2_jax.serving.rows import Cancelled, QueueFull, Request, Slot, fixed_processors
 from gpt2_jax.serving.rows import tell as _tell
+from gpt2_jax.serving.state import EngineState
 
 __all__ = ["Cancelled", "Engine", "QueueFull", "Request"]
 
-
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
-def _spec(tree: Any) -> Any:
-    """Shapes, dtypes and shardings of a pytree of arrays (what a program is compiled for)."""
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)), tree)
+OLD_SLOTS = 8  # the default pool holds the KV of the 8 max_seq-long slots the engine used to reserve
+DEFAULT_PREFILL_CHUNK = 64  # tokens per prefill chunk (bench/serve.py: gaps and time to first token)
 
 
-class Engine:
-    """Continuous batching over max_batch slots of max_seq positions each (see the module docstring).
+def default_blocks(max_seq: int) -> int:
+    """The pool's default size: as many slots as OLD_SLOTS rows of max_seq, plus the null block."""
+    return OLD_SLOTS * -(-max_seq // KEY_BLOCK) + 1
 
-    max_constraint_states / constraint_classes: the most states and token classes one request's constraint
-    may have; the engine's tables hold twice the states (several constraints at once), and a constrained
-    request waits in the queue while they are full."""
 
-    def __init__(self, params: Params, config: GPT2Config, *, max_batch: int = 8, max_queue: int = 64,
-                 max_seq: int | None = None, max_constraint_states: int = 4096, constraint_classes: int = 512,
-                 on_compiled: Any = None):  # fmt: skip
+class Engine(EnginePrograms):
+    """Continuous batching over max_batch rows sharing num_blocks KV blocks (see the module docstring).
+
+    max_seq: prompt + max_tokens limit per request. prefill_chunk: the most prompt tokens computed between two
+    decode steps. max_constraint_states / constraint_classes: the most states and token classes one request's
+    constraint may have (the tables hold twice the states; a constrained request waits while they are full)."""
+
+    def __init__(self, params: Params, config: GPT2Config, *, max_batch: int = 32, max_queue: int = 64,
+                 max_seq: int | None = None, num_blocks: int | None = None,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, max_constraint_states: int = 4096,
+                 constraint_classes: int = 512, on_compiled: Any = None):  # fmt: skip
         if max_batch < 1 or max_queue < 0:
             raise ConfigError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch}, {max_queue}")
         max_seq = config.n_positions if max_seq is None else max_seq
@@ -66,108 +68,33 @@ class Engine:
             raise ConfigError(f"max_seq must be in [1, n_positions={config.n_positions}], got {max_seq}")
         if max_constraint_states < 1 or constraint_classes < 1:
             raise ConfigError("max_constraint_states and constraint_classes must be >= 1")
+        if not 1 <= prefill_chunk <= config.n_positions:
+            raise ConfigError(f"prefill_chunk must be in [1, n_positions={config.n_positions}], got {prefill_chunk}")
+        self.blocks_per_row = -(-max_seq // KEY_BLOCK)
+        num_blocks = default_blocks(max_seq) if num_blocks is None else num_blocks
+        if num_blocks < self.blocks_per_row + 1:
+            raise ConfigError(f"num_blocks must be >= {self.blocks_per_row + 1} (one max_seq={max_seq} request's "
+                              f"{self.blocks_per_row} blocks of {KEY_BLOCK} tokens, plus the null block), "
+                              f"got {num_blocks}")  # fmt: skip
         self.params, self.config, self.max_batch, self.max_queue = params, config, max_batch, max_queue
-        self.max_seq, self.max_constraint_states, self.constraint_classes = (
-            max_seq,
-            max_constraint_states,
-            constraint_classes,
-        )
-        self.capacity = -(-max_seq // KEY_BLOCK) * KEY_BLOCK
-        self.table_shape = (_pow2(max_batch + 1), _pow2(2 * max_constraint_states + 1), _pow2(constraint_classes))
+        self.max_seq, self.prefill_chunk, self.num_blocks = max_seq, prefill_chunk, num_blocks
+        self.max_constraint_states, self.constraint_classes = max_constraint_states, constraint_classes
+        self.capacity = self.blocks_per_row * KEY_BLOCK
         self.slots: list[Slot | None] = [None] * max_batch
         self.queue: collections.deque[Request] = collections.deque()
         self.lock = threading.Condition()
-        self.running = self.stopped = False
+        self.running = self.stopped = self.draining = False
+        self.abort_at: float | None = None
         self.thread: threading.Thread | None = None
-        self.generated_tokens = 0
-        self.on_compiled = on_compiled
-        self.programs = Programs(self._compiled)
-        self._empty()
-        self.state_spec, self.rules_spec = _spec(self.state), _spec(self.rules)
+        self.generated_tokens = self.prefill_tokens = self.admitted = 0
+        self._reset()
+        EnginePrograms.__init__(self, on_compiled)
 
-    # ---- state -------------------------------------------------------------------------------
-    def _empty(self) -> None:
-        """Every slot free: a state whose rows are all done, and neutral rules at the engine's fixed widths."""
-        B = self.max_batch
-        idle = [self.config.eos_id if self.config.eos_id is not None else 0]  # a halted slot's one token, never read
-        prep = prepare(self.params, self.config, [idle] * B, jax.random.key(0), [SamplingParams(max_new_tokens=1)] * B)
-        rules = prep.rules._replace(processors=fixed_processors(prep.rules.processors, B))
-        tables = constraints.pack([None] * B, self.config.vocab_size, self.table_shape)
-        self.rules_host = jax.tree.map(np.array, rules._replace(constraint=tables))
-        self.tables = jax.device_put(self.rules_host.constraint)  # re-sent only when the constraints change
-        self.rules = self._device_rules()
-        state = prefill(self.params, prep.batch.tokens[:B], prep.batch.lengths[:B], prep.batch.keys[:B], self.config,
-                        self.capacity)  # fmt: skip
-        self.state = halt(state, np.ones(B, bool), self.rules.stop.eos_id)
-
-    def _device_rules(self) -> Any:
-        r = self.rules_host
-        return r._replace(settings=jax.device_put(r.settings), processors=jax.device_put(r.processors),
-                          stop=jax.device_put(r.stop), constraint=self.tables)  # fmt: skip
-
-    def _set_row_rules(self, b: int, rules: Any) -> None:
-        """Write a one-row Rules into row b of the engine's (fixed-shape) host rules."""
-
-        def put(big, small):
-            big[b] = fit(np.asarray(small)[0], big.shape[1:], "a setting")
-
-        for part in ("settings", "processors", "stop"):
-            jax.tree.map(put, getattr(self.rules_host, part), getattr(rules, part))
-
-    def _pack(self, automata: list) -> constraints.ConstraintTables:
-        return constraints.pack(automata, self.config.vocab_size, self.table_shape)
-
-    def _repack_constraints(self) -> None:
-        """Re-pack the active slots' automata into the fixed tables; constrained rows keep their local state."""
-        old = self.rules_host.constraint
-        new = self._pack([s.automaton if s is not None else None for s in self.slots])
-        states = np.asarray(self.state.automaton)
-        local = np.where(old.group > 0, states - old.start, 0)
-        moved = np.where(new.group > 0, new.start + local, 0).astype(np.int32)
-        self.rules_host = self.rules_host._replace(constraint=new)
-        self.tables = jax.device_put(new)
-        self.state = set_automaton(self.state, jnp.asarray(moved))
-
-    # ---- compiled programs -------------------------------------------------------------------
-    def _compiled(self, key: tuple, seconds: float) -> None:
-        """A program is ready (the compiler thread): wake the engine, whose queue may now move."""
-        with self.lock:
-            self.lock.notify_all()
-        if self.on_compiled is not None:
-            self.on_compiled(key, seconds)
-
-    def want(self, key: tuple, priority: float = 1.0) -> bool:
-        """Ask for a program ("prefill", P) or ("decode", R) to be compiled; True when it is ready."""
-        kind, n = key
-        if kind == "prefill":
-            tokens, lengths = jax.ShapeDtypeStruct((1, n), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32)
-            keys = jax.ShapeDtypeStruct((1,), self.state.keys.dtype)
-            build = lambda: prefill.lower(self.params, tokens, lengths, keys, self.config, self.capacity).compile()
-        else:
-            build = lambda: decode_step.lower(self.params, self.state_spec, self.rules_spec, self.config, n).compile()
-        return self.programs.want(key, build, priority)
-
-    def buckets(self) -> list[int]:
-        """The prompt buckets a request can need (powers of two from 16 up to max_seq's)."""
-        from gpt2_jax.generation import bucket
-
-        return sorted({bucket(n, self.config.n_positions) for n in range(1, self.max_seq + 1)})
-
-    def compile(self, wait: bool = True, timeout: float | None = None) -> list[tuple]:
-        """Queue every program the engine can need (the decode step with and without top logprobs, each prompt
-        bucket's prefill, smallest first); with wait, block until they are built. Returns their keys."""
-        keys = [("decode", 0), ("prefill", self.buckets()[0]), ("decode", TOP_LOGPROBS)]
-        keys += [("prefill", b) for b in self.buckets()[1:]]
-        for i, key in enumerate(keys):
-            self.want(key, priority=float(i))
-        if wait:
-            self.programs.wait(keys, timeout)
-        return keys
-
-    def needs(self, request: Request) -> list[tuple]:
-        """The programs a request's admission waits for."""
-        r = TOP_LOGPROBS if request.sampling.top_logprobs else 0
-        return [("decode", 0), ("decode", r), ("prefill", request.prepared.batch.tokens.shape[1])]
+    def _reset(self) -> None:
+        """Every row free, every block free, the prefix cache empty."""
+        self.pool = BlockPool(self.num_blocks, KEY_BLOCK)
+        self.rows = EngineState(self.params, self.config, self.max_batch, self.num_blocks, self.blocks_per_row,
+                                self.max_constraint_states, self.constraint_classes)  # fmt: skip
 
     # ---- requests ------------------------------------------------------------------------------
     def check(self, request: Request) -> Any:
@@ -180,9 +107,8 @@ class Engine:
             self.params, self.config, [request.prompt], request.key[None], [request.sampling.replace(seed=None)]
         )
         fixed_processors(prep.rules.processors, 1)  # a 400 now, not later, for too many biases or bad words
-        c = request.sampling.constraint
-        if c is not None:
-            a = constraints.compile_constraint(c, self.config.vocab_size, request.sampling.eos(self.config))
+        a = self._automaton(request)
+        if a is not None:
             q, k = a.next_state.shape
             if q > self.max_constraint_states or k > self.constraint_classes:
                 raise ConfigError(f"the constraint needs {q} states and {k} token classes; this server allows at "
@@ -190,12 +116,19 @@ class Engine:
                                   f"(--max-constraint-states, --constraint-classes)")  # fmt: skip
         return prep
 
+    def _automaton(self, request: Request) -> Any:
+        c = request.sampling.constraint
+        if c is None:
+            return None
+        return constraints.compile_constraint(c, self.config.vocab_size, request.sampling.eos(self.config))
+
     def submit(self, request: Request) -> None:
         """Queue a request (validated first: bad input raises here, before it is queued), and ask for the
-        programs it needs. QueueFull when every slot is busy and max_queue requests wait."""
+        programs it needs. QueueFull when every row is busy and max_queue requests wait; Cancelled once the
+        engine is draining or stopped."""
         request.prepared = self.check(request)
         with self.lock:
-            if self.stopped:
+            if self.stopped or self.draining:
                 raise Cancelled("the server is shutting down")
             active = sum(s is not None for s in self.slots)
             if active + len(self.queue) >= self.max_batch + self.max_queue:
@@ -208,94 +141,99 @@ class Engine:
 
     def stats(self) -> dict:
         with self.lock:
-            return {"active": sum(s is not None for s in self.slots), "queued": len(self.queue),
-                    "generated_tokens": self.generated_tokens, "compiling": len(self.programs.pending())}  # fmt: skip
+            active = [s for s in self.slots if s is not None]
+            return {"active": len(active), "queued": len(self.queue), "prefilling": sum(not s.decoding for s in active),
+                    "generated_tokens": self.generated_tokens, "prefill_tokens": self.prefill_tokens,
+                    "compiling": len(self.programs.pending()), **self.pool.stats()}  # fmt: skip
 
     # ---- the loop --------------------------------------------------------------------------------
-    def _fits(self, request: Request) -> bool:
-        """Whether a request can start now: its programs are compiled and its constraint fits the tables."""
-        if not all(self.programs.get(k) is not None for k in self.needs(request)):
-            return False
-        c = request.sampling.constraint
-        if c is None:
-            return True
-        a = constraints.compile_constraint(c, self.config.vocab_size, request.sampling.eos(self.config))
-        held = {id(s.automaton): s.automaton for s in self.slots if s is not None and s.automaton is not None}
-        held[id(a)] = a  # the tables store each distinct automaton once (see constraints.pack)
-        G, Q, _ = self.table_shape
-        return len(held) + 1 <= G and 1 + sum(x.next_state.shape[0] for x in held.values()) <= Q  # else: wait
-
-    def _admit(self, b: int, request: Request) -> None:
-        """Prefill the request alone and copy its row into slot b (a failure is reported to it alone)."""
-        try:
-            prep = request.prepared
-            run = self.programs.get(("prefill", prep.batch.tokens.shape[1]))
-            row = run(self.params, prep.batch.tokens[:1], prep.batch.lengths[:1], prep.batch.keys[:1])
-            c = request.sampling.constraint
-            eos = request.sampling.eos(self.config)
-            automaton = None if c is None else constraints.compile_constraint(c, self.config.vocab_size, eos)
-        except Exception as e:
-            _tell(request, "error", e)
-            return
-        stops = StopMatcher(prep.stops, token_bytes(None)) if request.sampling.stop else None
-        self.slots[b] = Slot(request, 0, stops, automaton)
-        self._set_row_rules(b, prep.rules)
-        self.state = insert(self.state, row, jnp.int32(b))
-        if automaton is not None:
-            self._repack_constraints()
-        self.rules = self._device_rules()
-
-    def _finish(self, b: int, kind: str, payload: Any) -> None:
-        slot = self.slots[b]
-        self.slots[b] = None
-        self.state = halt(self.state, np.arange(self.max_batch) == b, self.rules.stop.eos_id)
-        if slot.automaton is not None:
-            self._repack_constraints()
-            self.rules = self._device_rules()
-        _tell(slot.request, kind, payload)
-
-    def _take(self) -> list[tuple[int, Request]]:
-        """Pair free slots with queued requests that can start now, in queue order (one that waits for its
-        programs or for room in the constraint tables lets the ones behind it pass)."""
-        admit = []
+    def _admit(self) -> None:
+        """Give free rows to queued requests that can start now, in queue order, lowest row first."""
+        admitted, dropped = [], []
         with self.lock:
             free = [b for b in range(self.max_batch) if self.slots[b] is None]
             for request in list(self.queue):
                 if not free:
                     break
-                if request.cancelled or self._fits(request):
+                if request.cancelled:
                     self.queue.remove(request)
-                    b = free.pop(0)
-                    admit.append((b, request))
-                    self.slots[b] = Slot(request)  # reserved
-        return admit
+                    dropped.append(request)
+                    continue
+                automaton = self._automaton(request)
+                held = [s.automaton for s in self.slots if s is not None]
+                if automaton is not None and not self.rows.fits(held, automaton):
+                    continue  # waits for room in the constraint tables
+                n = len(request.prompt)
+                plan = self.pool.plan(request.prompt, min(n + request.sampling.max_new_tokens, self.capacity))
+                if plan is None:
+                    break  # waits for blocks, and so does everyone behind it
+                if self.pool.waits_for(plan, n) or not self.ready(request, len(plan.reused) * KEY_BLOCK, free[0]):
+                    continue
+                self.queue.remove(request)
+                b = free.pop(0)
+                stops = StopMatcher(request.prepared.stops, token_bytes(None)) if request.sampling.stop else None
+                self.slots[b] = Slot(request, 0, stops, automaton, self.pool.take(plan, n), plan.names,
+                                     len(plan.reused) * KEY_BLOCK, False, self.admitted)  # fmt: skip
+                self.admitted += 1
+                admitted.append(b)
+        for request in dropped:
+            _tell(request, "error", Cancelled("cancelled before it started"))
+        for b in admitted:
+            slot = self.slots[b]
+            self.rows.set_row(b, slot.request.prepared.rules)
+            if slot.automaton is not None:
+                self._repack()
 
-    def step(self) -> bool:
-        """Drop cancelled requests, admit waiting ones into free slots, then run one decode step. False when idle
-        (nothing running, nothing queued); while queued requests only wait for their programs, it sleeps until
-        one is built (at most 0.1 s) and returns True."""
-        for b, slot in enumerate(self.slots):
-            if slot is not None and slot.request.cancelled:
-                self._finish(b, "error", Cancelled("cancelled"))
-        for b, request in self._take():
-            self.slots[b] = None
-            if request.cancelled:
-                _tell(request, "error", Cancelled("cancelled before it started"))
-                continue
-            self._admit(b, request)
-        active = [b for b, s in enumerate(self.slots) if s is not None]
-        if not active:
-            with self.lock:
-                if not self.queue:
-                    return False
-                self.lock.wait(timeout=0.1)  # woken when a program is built (_compiled)
-            return True
-        r = TOP_LOGPROBS if any(self.slots[b].request.sampling.top_logprobs for b in active) else 0
-        self.state, out = self.programs.get(("decode", r))(self.params, self.state, self.rules)
+    def _repack(self) -> None:
+        decoding = np.array([s is not None and s.decoding for s in self.slots])
+        self.rows.repack([s.automaton if s is not None else None for s in self.slots], decoding,
+                         self.program(("row", "automaton")))  # fmt: skip
+
+    def _table(self, slot: Slot) -> np.ndarray:
+        table = np.zeros(self.blocks_per_row, np.int32)  # NULL_BLOCK past the row's blocks
+        table[: len(slot.blocks)] = slot.blocks
+        return table
+
+    def _prefill(self) -> bool:
+        """One chunk of the prompt admitted first among those still going in; False when none is."""
+        waiting = [(s.order, b) for b, s in enumerate(self.slots) if s is not None and not s.decoding]
+        if not waiting:
+            return False
+        b = min(waiting)[1]
+        slot = self.slots[b]
+        prompt, start = slot.request.prompt, slot.prefilled
+        n = min(len(prompt) - start, self.prefill_chunk)
+        tokens = np.full(bucket(n, self.prefill_chunk), prompt[start + n - 1], np.int32)  # padding: a real token
+        tokens[:n] = prompt[start : start + n]
+        table = self._table(slot)
+        run = self.program(("prefill", len(tokens)))
+        self.rows.state, logits = run(self.params, self.rows.state, table, tokens, np.int32(start), np.int32(n - 1))
+        slot.prefilled += n
+        self.prefill_tokens += n
+        self.pool.register(slot.blocks, slot.names, min(slot.prefilled // KEY_BLOCK, len(slot.names)))
+        if slot.prefilled == len(prompt):
+            padded = np.full(self.capacity, prompt[-1], np.int32)
+            padded[: len(prompt)] = prompt
+            key = slot.request.prepared.batch.keys[0]
+            self.rows.state = self.program(("row", "start"))(
+                self.rows.state, np.int32(b), table, padded, np.int32(len(prompt)), logits, key,
+                np.int32(self.rows.start_state(b)),
+            )  # fmt: skip
+            slot.decoding = True
+        return True
+
+    def _decode(self, decoding: list[int]) -> None:
+        top = any(self.slots[b].request.sampling.top_logprobs for b in decoding)
+        key = self.decoder(max(decoding) + 1, top)
+        if key is None:  # not compiled yet (admission waits for it, so only after a failure): try again soon
+            time.sleep(0.01)
+            return
+        self.rows.state, out = self.program(key)(self.params, self.rows.state, self.rows.rules)
         token, logprob = np.asarray(out.token), np.asarray(out.logprob)
         top_ids, top_lp = np.asarray(out.top_ids), np.asarray(out.top_logprobs)
-        done = np.asarray(self.state.done)
-        for b in active:
+        done = np.asarray(self.rows.state.done)
+        ended = []
+        for b in decoding:
             slot = self.slots[b]
             n = slot.request.sampling.top_logprobs
             slot.made += 1
@@ -304,11 +242,62 @@ class Engine:
                                             top_lp[b, :n].tolist()))  # fmt: skip
             hit = slot.stops.feed(0, [int(token[b])]) if slot.stops else None
             if hit is not None:
-                self._finish(b, "done", ("stop", hit.stop))
+                ended.append((b, "done", ("stop", hit.stop)))
             elif done[b]:
-                self._finish(b, "done", ("stop", None))
+                ended.append((b, "done", ("stop", None)))
             elif slot.made >= slot.request.sampling.max_new_tokens:
-                self._finish(b, "done", ("length", None))
+                ended.append((b, "done", ("length", None)))
+        self._finish(ended)
+
+    def _finish(self, ended: list[tuple[int, str, Any]]) -> None:
+        """End rows [(row, kind, payload)]: halt them, free their blocks (named ones stay cached), tell them."""
+        if not ended:
+            return
+        mask = np.zeros(self.max_batch, bool)
+        slots = []
+        with self.lock:
+            for b, _, _ in ended:
+                mask[b] = True
+                slots.append(self.slots[b])
+                self.slots[b] = None
+            self.lock.notify_all()
+        self.rows.state = self.program(("row", "stop"))(self.rows.state, mask, np.int32(self.rows.filler))
+        for slot in slots:
+            self.pool.release(slot.blocks, slot.names)
+        if any(s.automaton is not None for s in slots):
+            self._repack()
+        for slot, (_, kind, payload) in zip(slots, ended):
+            _tell(slot.request, kind, payload)
+
+    def _abort_late(self) -> None:
+        """Past the drain's deadline: every request still in flight ends now, finish_reason "abort"."""
+        if self.abort_at is None or time.monotonic() < self.abort_at:
+            return
+        with self.lock:
+            queued, self.queue = list(self.queue), collections.deque()
+        self._finish([(b, "done", ("abort", None)) for b, s in enumerate(self.slots) if s is not None])
+        for request in queued:
+            _tell(request, "done", ("abort", None))
+
+    def step(self) -> bool:
+        """Drop cancelled requests, admit waiting ones, put one prompt chunk in, then run one decode step. False
+        when idle (nothing running, nothing queued); while queued requests only wait (for their programs, for
+        blocks), it sleeps until something changes (at most 0.1 s) and returns True."""
+        self._abort_late()
+        self._finish([(b, "error", Cancelled("cancelled")) for b, s in enumerate(self.slots)
+                      if s is not None and s.request.cancelled])  # fmt: skip
+        self._admit()
+        prefilled = self._prefill()
+        decoding = [b for b, s in enumerate(self.slots) if s is not None and s.decoding]
+        if decoding:
+            self._decode(decoding)
+            return True
+        if prefilled:
+            return True
+        with self.lock:
+            if not self.queue and not any(s is not None for s in self.slots):
+                return False
+            self.lock.wait(timeout=0.1)  # woken when a program is built or a row ends
         return True
 
     def run(self) -> None:
@@ -317,11 +306,12 @@ class Engine:
             try:
                 busy = self.step()
             except Exception as e:  # fail the requests in flight, keep serving
-                for b, slot in enumerate(self.slots):
-                    if slot is not None:
-                        self.slots[b] = None
-                        _tell(slot.request, "error", e)
-                self._empty()
+                with self.lock:
+                    failed = [s for s in self.slots if s is not None]
+                    self.slots = [None] * self.max_batch
+                for slot in failed:
+                    _tell(slot.request, "error", e)
+                self._reset()
                 continue
             if not busy:
                 with self.lock:
@@ -335,6 +325,18 @@ class Engine:
         self.ident = self.thread.ident  # the engine thread's, kept after stop (tests check what ran on it)
         return self
 
+    def drain(self, timeout: float) -> bool:
+        """Stop admitting new requests (submit raises Cancelled) and wait for the ones in flight, queued ones
+        included, to finish; those still running after `timeout` seconds end with finish_reason "abort". True if
+        every request finished on its own."""
+        deadline = time.monotonic() + timeout
+        with self.lock:
+            self.draining, self.abort_at = True, deadline
+            self.lock.notify_all()
+            while self.running and (self.queue or any(s is not None for s in self.slots)):
+                self.lock.wait(timeout=0.05)
+        return time.monotonic() < deadline
+
     def stop(self) -> None:
         """Stop the loop; every queued and running request gets a Cancelled error. Safe to call twice."""
         with self.lock:
@@ -344,9 +346,8 @@ class Engine:
         if thread is None:
             return
         thread.join()  # a step is milliseconds to seconds; the loop checks `running` after each
-        for b, slot in enumerate(self.slots):
-            if slot is not None:
-                self._finish(b, "error", Cancelled("the server is shutting down"))
+        self._finish([(b, "error", Cancelled("the server is shutting down")) for b, s in enumerate(self.slots)
+                      if s is not None])  # fmt: skip
         with self.lock:
             queued, self.queue = list(self.queue), collections.deque()
         for request in queued:

@@ -1,5 +1,4 @@
-"""The engine's fixed-shape rows: one request's request, the per-slot rules and state, and the small jitted
-edits that move a prefilled row into a slot.
+"""The engine's rows: a request, the row it holds (Slot), the fixed widths of its rules.
 
 Every per-row setting has a fixed width in the engine (logit_bias entries, bad words, constraint tables), so
 one decode program serves every request; a request that does not fit gets a 400 naming the limit.
@@ -8,7 +7,6 @@ one decode program serves every request; a request that does not fit gets a 400 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -66,10 +64,17 @@ def tell(request: Request, kind: str, payload: Any) -> None:
 
 @dataclasses.dataclass
 class Slot:
+    """A row in use: its request, and where its prompt and blocks stand."""
+
     request: Request
-    made: int = 0
+    made: int = 0  # tokens generated
     stops: StopMatcher | None = None
     automaton: Any = None  # the compiled constraint, or None
+    blocks: list = dataclasses.field(default_factory=list)  # the row's KV blocks, in slot order
+    names: list = dataclasses.field(default_factory=list)  # the names of its prompt's full blocks (serving.blocks)
+    prefilled: int = 0  # prompt tokens in the cache (reused or computed)
+    decoding: bool = False  # the prompt is in: the row takes part in the decode steps
+    order: int = 0  # admission order: prompts go in first come, first served
 
 
 def fit(a: np.ndarray, shape: tuple, what: str) -> np.ndarray:
@@ -89,20 +94,6 @@ def fixed_processors(procs: Any, B: int) -> Any:
         bad_words=fit(procs.bad_words, (B, MAX_BAD_WORDS, MAX_BAD_WORD_LEN), "bad words"),
         bad_word_lengths=fit(procs.bad_word_lengths, (B, MAX_BAD_WORDS), "bad words"),
     )
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def insert(state: DecodeState, row: DecodeState, slot: jax.Array) -> DecodeState:
-    """Copy a one-row state into slot `slot` of the engine's state (the cache's rows sit on axis 1)."""
-
-    def put(big, small):
-        return big.at[slot].set(small[0])
-
-    cache = state.cache._replace(k=state.cache.k.at[:, slot].set(row.cache.k[:, 0]),
-                                 v=state.cache.v.at[:, slot].set(row.cache.v[:, 0]),
-                                 lengths=put(state.cache.lengths, row.cache.lengths))  # fmt: skip
-    rest = jax.tree.map(put, state._replace(cache=None), row._replace(cache=None))
-    return rest._replace(cache=cache)
 
 
 @jax.jit

@@ -1,9 +1,9 @@
 """Start-up: compile the programs the first requests need, serve, and build the rest in the background.
 
-The essential set (the decode step and the smallest prompt bucket's prefill) is compiled before the server
-reports ready, and one request of each kind runs through the engine (a plain one, a constrained one) so the
-small programs that move rows into slots compile too. Everything else is queued behind: the decode step
-with top logprobs, every larger prompt bucket, the echo scoring pass of each bucket. A request that needs
+The essential set (the smallest decode step and prompt chunk, and the small programs that start and stop rows) is
+compiled before the server reports ready, and one request of each kind runs through the engine (a plain one, a
+constrained one). Everything else is queued behind: the larger decode steps and chunks, the decode steps with
+top logprobs, the echo scoring pass of each prompt bucket. A request that needs
 one of those before it is built waits for it; every other request is served meanwhile (serving.programs).
 /health and the log say what is still compiling.
 """
@@ -24,7 +24,8 @@ from gpt2_jax.serving.rows import Request, row_key
 def schedule(engine: Engine, *, echo: bool = True) -> list:
     """Queue every program, the essential ones first; returns the essential keys."""
     buckets = engine.buckets()
-    essential = engine.compile(wait=False)[:2]  # the decode step and the smallest prefill, queued first
+    engine.compile(wait=False)
+    essential = engine.essential()  # the smallest decode step and prompt chunk, and the row programs: queued first
     if echo:
         params, config = engine.params, engine.config
         for i, b in enumerate(buckets):

@@ -1,0 +1,112 @@
+"""Generation over a paged KV cache (gpt2_jax.model.paged_cache): the serving engine's state.
+
+generate's state holds one contiguous cache row per request. This one holds a pool of blocks shared by every row
+and a block table per row: a request's prompt goes in chunk by chunk (prefill_chunk), after any leading blocks
+another request already filled with the same tokens; its row then joins the decode steps (start_row), which run
+over the first `rows` rows of the state (decode_rows) and leave the others as they are. A token's K/V, and
+attention over them, are the same bits whatever block holds them, however the prompt was cut into chunks and
+whoever computed a shared block (the model's batch invariance, see gpt2_jax.model.attention), so a row decoded
+here gives generate's tokens and logprobs bit for bit.
+
+A row that is not decoding (free, or its prompt still going in) is halted and its table points at the null block
+only: the decode steps feed it a filler token whose K/V land in the null block, never in a block a row owns.
+
+Shape legend: B rows, M blocks per row, N blocks in the pool, C slots per block, S = M x C, T chunk tokens, V vocab.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from gpt2_jax.config import GPT2Config
+from gpt2_jax.generation.decode import DecodeState, Rules, Step, draw, feed
+from gpt2_jax.model.attention import KEY_BLOCK
+from gpt2_jax.model.gpt2 import forward_cached
+from gpt2_jax.model.paged_cache import NULL_BLOCK, PagedKVCache, init_pool
+from gpt2_jax.model.params import Params
+from gpt2_jax.sampling.processors import ProcessorState
+from gpt2_jax.sampling.processors import init_state as init_processor_state
+
+
+def init_paged(config: GPT2Config, rows: int, num_blocks: int, blocks_per_row: int, dtype=jnp.float32,
+               filler: int = 0) -> DecodeState:  # fmt: skip
+    """A state of `rows` halted rows over a fresh pool of num_blocks blocks (block 0 the null block), each row's
+    table M = blocks_per_row null entries. A halted row emits and feeds `filler` (a valid token id)."""
+    k, v = init_pool(config, num_blocks, dtype)
+    S, V = blocks_per_row * KEY_BLOCK, config.vocab_size
+    cache = PagedKVCache(k, v, jnp.full((rows, blocks_per_row), NULL_BLOCK, jnp.int32), jnp.zeros(rows, jnp.int32))
+    history = ProcessorState(
+        jnp.zeros((rows, S), jnp.int32), jnp.zeros((rows, V), bool), jnp.zeros((rows, V), jnp.int32)
+    )
+    keys = jax.random.split(jax.random.key(0), rows)
+    zero = lambda: jnp.zeros(rows, jnp.int32)
+    return DecodeState(cache, jnp.zeros((rows, V), jnp.float32), keys, jnp.ones(rows, bool), zero() + filler, zero(),
+                       history, zero())  # fmt: skip
+
+
+@functools.partial(jax.jit, static_argnames="config", donate_argnames="state")
+def prefill_chunk(params: Params, state: DecodeState, table: jax.Array, tokens: jax.Array, start: jax.Array,
+                  last: jax.Array, config: GPT2Config) -> tuple[DecodeState, jax.Array]:  # fmt: skip
+    """Tokens [T] of one prompt into slots [start, start + T) of the row whose blocks are table [M] (written in
+    place in the state's pool, donated) -> (state, logits [V] of chunk token `last`). Slots before `start` already
+    hold the prompt's earlier tokens (earlier chunks, or shared blocks); tokens past the prompt (a chunk's padding)
+    land in slots the row overwrites before it reads them, or in the null block."""
+    pool = state.cache
+    cache = PagedKVCache(pool.k, pool.v, table[None], start[None])
+    logits, cache = forward_cached(params, tokens[None], cache, config, last=last[None])
+    return state._replace(cache=pool._replace(k=cache.k, v=cache.v)), logits[0, 0]
+
+
+@functools.partial(jax.jit, donate_argnames="state")
+def start_row(state: DecodeState, row: jax.Array, table: jax.Array, prompt: jax.Array, length: jax.Array,
+              logits: jax.Array, key: jax.Array, automaton: jax.Array) -> DecodeState:  # fmt: skip
+    """Row `row` starts decoding: its blocks table [M], its prompt [S] (padded) of `length` tokens, the logits [V]
+    after it, its key and its constraint's start state -> the state generate's prefill leaves for that row."""
+    S, V = state.history.history.shape[1], state.logits.shape[1]
+    history = init_processor_state(prompt[None], length[None], S, V)
+    at = lambda big, small: big.at[row].set(small)
+    cache = state.cache._replace(table=at(state.cache.table, table), lengths=at(state.cache.lengths, length))
+    return state._replace(
+        cache=cache, logits=at(state.logits, logits), keys=at(state.keys, key), done=at(state.done, False),
+        fill=at(state.fill, 0), generated=at(state.generated, 0),
+        history=jax.tree.map(lambda big, small: big.at[row].set(small[0]), state.history, history),
+        automaton=at(state.automaton, automaton),
+    )  # fmt: skip
+
+
+@functools.partial(jax.jit, donate_argnames="state")
+def stop_rows(state: DecodeState, rows: jax.Array, filler: jax.Array) -> DecodeState:
+    """Rows [B] bool stop decoding: halted (emitting `filler`) and their tables back to the null block, so the
+    blocks they held can go to other rows."""
+    table = jnp.where(rows[:, None], NULL_BLOCK, state.cache.table)
+    return state._replace(cache=state.cache._replace(table=table), done=state.done | rows,
+                          fill=jnp.where(rows, filler, state.fill))  # fmt: skip
+
+
+def _head(tree, rows: int):
+    return jax.tree.map(lambda a: a[:rows], tree)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "rows", "r"), donate_argnames="state")
+def decode_rows(params: Params, state: DecodeState, rules: Rules, config: GPT2Config, rows: int,
+                r: int = 0) -> tuple[DecodeState, Step]:  # fmt: skip
+    """decode_step over rows [0, rows) of a paged state: draw a token [rows] per row, feed it back (the pool is
+    shared, every other row is left as it is) -> (state, Step [rows])."""
+    pool = state.cache
+    head = _head(state._replace(cache=None), rows)._replace(
+        cache=PagedKVCache(pool.k, pool.v, pool.table[:rows], pool.lengths[:rows])
+    )
+    c = rules.constraint
+    head_rules = Rules(*_head((rules.settings, rules.processors, rules.stop), rows),
+                       c._replace(group=c.group[:rows], start=c.start[:rows]))  # fmt: skip
+    head, step = draw(head, head_rules, config.valid_vocab, r)
+    head = feed(params, head, step.token, config)
+    put = lambda big, small: big.at[:rows].set(small)
+    rest = jax.tree.map(put, state._replace(cache=None), head._replace(cache=None))
+    cache = pool._replace(
+        k=head.cache.k, v=head.cache.v, table=pool.table, lengths=put(pool.lengths, head.cache.lengths)
+    )
+    return rest._replace(cache=cache), step

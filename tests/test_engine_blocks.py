@@ -1,0 +1,158 @@
+"""The engine's KV blocks: prefix reuse, chunked prefill, eviction, and rows bounded by blocks, not by max_seq.
+
+Every served request must give the bits `generate` gives it alone, whatever blocks it got, whatever it shared and
+however its prompt was cut into chunks."""
+
+import jax
+import numpy as np
+import pytest
+
+from gpt2_jax import SamplingParams, constraints, generate, load
+from gpt2_jax.serving import Engine, Request
+from gpt2_jax.serving.blocks import BlockPool, block_names
+from tests.reference import make_hf_model
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """A random GPT-2 with gpt2's vocabulary (so constraints apply), context (8 blocks a row) and head size."""
+    path = tmp_path_factory.mktemp("m") / "hf"
+    make_hf_model(n_layer=2, n_head=2, n_embd=128, vocab_size=50257, n_positions=1024, seed=3).save_pretrained(path)
+    return load(path, dtype="float32")
+
+
+class Recorder:
+    def __init__(self):
+        self.tokens, self.logprobs, self.end = [], [], None
+
+    def __call__(self, kind, payload):
+        if kind == "token":
+            self.tokens.append(payload[0])
+            self.logprobs.append(payload[1])
+        else:
+            self.end = (kind, payload)
+
+
+def request(prompt, seed, **options):
+    rec = Recorder()
+    sampling = SamplingParams(**options)
+    return Request(list(prompt), sampling, jax.random.fold_in(jax.random.key(seed), 0), rec, seed=seed), rec
+
+
+def assert_alone(params, config, req, rec):
+    g = generate(params, config, [req.prompt], jax.random.key(req.seed), sampling=req.sampling.replace(logprobs=True))
+    n = g.lengths[0]
+    assert rec.end == ("done", (g.finish_reason[0], g.stop_string[0]))
+    assert rec.tokens == g.tokens[0, :n].tolist()
+    assert (np.array(rec.logprobs, np.float32).view(np.uint32) == g.logprobs[0, :n].view(np.uint32)).all()
+
+
+def run(engine, arrivals):
+    """Submit (step, request) pairs before the given engine steps; step until idle -> steps taken."""
+    arrivals, step = sorted(arrivals, key=lambda a: a[0]), 0
+    while True:
+        while arrivals and arrivals[0][0] <= step:
+            engine.submit(arrivals.pop(0)[1])
+        busy = engine.step()
+        step += 1
+        if not busy and not arrivals:
+            return step
+
+
+def test_shared_prefixes_chunked_prefill_and_eviction_keep_every_request_equal_to_generate_alone(model):
+    """Random arrivals of prompts built from two long preambles (a system prompt, a few-shot header), the same
+    prompt several times (n > 1), and unrelated ones, through a pool small enough to evict; prompts go in by
+    chunks of 48 tokens. Each answer equals generate's alone, bit for bit; prefix hits skip exactly the tokens they
+    cover; eviction happened; and a request served from cached blocks equals itself on a fresh engine."""
+    params, config = model
+    rng = np.random.default_rng(0)
+    V = config.valid_vocab - 1  # no EOS inside prompts
+    preambles = [rng.integers(0, V, 300).tolist(), rng.integers(0, V, 520).tolist()]
+    prompts = []
+    for i in range(14):
+        kind = i % 4
+        if kind == 3:
+            prompts.append(rng.integers(0, V, int(rng.integers(5, 400))).tolist())
+        else:
+            suffix = rng.integers(0, V, int(rng.integers(1, 60))).tolist()
+            prompts.append(preambles[kind % 2] + suffix)
+    prompts += [prompts[1]] * 3  # one prompt four times, as n=4 gives
+    settings = [dict(temperature=0.8, top_k=40), dict(temperature=0.0), dict(repetition_penalty=1.3, top_p=0.9),
+                dict(temperature=1.1, min_p=0.05, frequency_penalty=0.5), dict(top_logprobs=3),
+                dict(constraint=constraints.regex("[0-9]{2,4}"), temperature=0.7)]  # fmt: skip
+    engine = Engine(params, config, max_batch=4, max_queue=32, max_seq=640, num_blocks=13, prefill_chunk=48)
+    engine.compile()
+    reqs = []
+    for i, p in enumerate(prompts):
+        opts = settings[i % len(settings)]
+        req, rec = request(p, 100 + i, max_new_tokens=int(rng.integers(3, 40)), **opts)
+        reqs.append((int(rng.integers(0, 120)), req, rec))
+    run(engine, [(t, r) for t, r, _ in reqs])
+    for _, req, rec in reqs:
+        assert_alone(params, config, req, rec)
+    s = engine.stats()
+    assert s["prefix_hit_tokens"] >= 6 * 256, s  # most preamble prompts found their leading blocks cached
+    assert s["prefill_tokens"] == sum(map(len, prompts)) - s["prefix_hit_tokens"], s  # hits are not recomputed
+    assert s["prefix_evictions"] > 0, s  # 12 blocks cannot keep every preamble and every unrelated prompt
+    assert s["blocks_used"] == 0 and s["active"] == 0
+
+    # The last request again, on a fresh engine (no cached blocks, its prompt in one go of 1 chunk per 512).
+    _, req, rec = reqs[-1]
+    fresh = Engine(params, config, max_batch=1, max_queue=1, max_seq=640, prefill_chunk=512)
+    fresh.compile()
+    again, rec2 = request(req.prompt, req.seed, **{f: getattr(req.sampling, f) for f in ("max_new_tokens",
+                          "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty")})  # fmt: skip
+    run(fresh, [(0, again)])
+    assert fresh.stats()["prefix_hit_tokens"] == 0
+    assert rec2.tokens == rec.tokens
+    assert np.array_equal(
+        np.array(rec2.logprobs, np.float32).view(np.uint32), np.array(rec.logprobs, np.float32).view(np.uint32)
+    )
+
+
+def test_rows_are_bounded_by_blocks_not_by_max_seq(model):
+    """With the default pool (the KV of 8 rows of max_seq, as the old slots reserved), 32 short requests (prompt +
+    output <= 256 tokens: 2 blocks each) run at once, 4x the old 8 slots; a request that needs more blocks than are
+    free waits in the queue until some come back, then runs."""
+    params, config = model
+    engine = Engine(params, config, max_batch=32, max_queue=64)
+    assert engine.num_blocks == 8 * 8 + 1
+    engine.compile()
+    rng = np.random.default_rng(1)
+    reqs = [request(rng.integers(0, 50000, 100).tolist(), i, max_new_tokens=150, temperature=0.9) for i in range(32)]
+    big, big_rec = request(rng.integers(0, 50000, 900).tolist(), 99, max_new_tokens=100)  # 8 blocks
+    for r, _ in reqs:
+        engine.submit(r)
+    engine.submit(big)
+    most = 0
+    for _ in range(60):
+        engine.step()
+        most = max(most, engine.stats()["active"] - engine.stats()["prefilling"])
+    assert most == 32  # every short request decoding at once
+    assert engine.stats()["queued"] == 1 and engine.stats()["blocks_free"] == 0  # the long one waits for blocks
+    run(engine, [])
+    for r, rec in [*reqs, (big, big_rec)]:
+        assert_alone(params, config, r, rec)
+
+
+def test_block_pool_names_reuse_and_evicts_least_recently_used():
+    C = 4
+    pool = BlockPool(9, C)  # blocks 1..8
+    a = list(range(13))  # 3 full blocks (+1 token)
+    assert block_names(a, C)[:2] == block_names(a[:8], C)  # a name fixes its whole prefix...
+    assert block_names([9, *a[1:]], C)[1] != block_names(a, C)[1]  # ...so a different first block renames the rest
+    plan = pool.plan(a, 16)
+    assert plan.reused == [] and plan.fresh == 4
+    blocks = pool.take(plan, len(a))
+    assert pool.waits_for(pool.plan(a, 16), len(a))  # the same prompt waits while its blocks are computed
+    pool.register(blocks, plan.names, 3)
+    pool.release(blocks, plan.names)
+    assert pool.stats()["blocks_cached"] == 3 and pool.stats()["blocks_free"] == 5
+    again = pool.plan(a, 16)
+    assert again.reused == blocks[:3] and again.fresh == 1  # the 13th token is computed, into a block of its own
+    exact = pool.plan(a[:12], 12)
+    assert exact.reused == blocks[:2]  # 12 tokens: the last full block is recomputed (its last token's logits)
+    other = pool.take(pool.plan(list(range(100, 132)), 32), 32)  # 8 blocks: the 5 free, then the 3 cached, LRU first
+    assert pool.stats()["prefix_evictions"] == 3 and pool.plan(a, 16) is None  # the pool is full now
+    pool.release(other, [])
+    assert pool.plan(a, 16).reused == []  # evicted names are gone
