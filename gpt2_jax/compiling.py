@@ -29,3 +29,24 @@ class CompileTimer:
 
     def __exit__(self, *exc) -> None:
         jax.monitoring.unregister_event_duration_listener(self._listen)
+
+
+class CompileCount:
+    """Counts the programs XLA compiles in this process from start() on (a program read back from the persistent
+    compilation cache is not compiled, so not counted), and their seconds. The server's /metrics shows it: a
+    long-lived process should compile nothing new once its programs are built."""
+
+    def __init__(self) -> None:
+        self.programs, self.seconds = 0, 0.0
+
+    def _listen(self, event: str, duration: float, **_) -> None:
+        if event == _EVENTS[2]:
+            self.programs += 1
+            self.seconds += duration
+
+    def start(self) -> CompileCount:
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+        return self
+
+    def stop(self) -> None:
+        jax.monitoring.unregister_event_duration_listener(self._listen)

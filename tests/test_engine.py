@@ -195,7 +195,7 @@ def test_no_request_stalls_the_others_while_its_programs_or_its_constraint_compi
             enc.encode("KING HENRY: Once more unto the breach, dear friends, " * 12)[:150], 4, 20, {}
         )
         long_prompt.on_event = first_token("new bucket")
-        engine.submit(long_prompt)  # chunks of 64 and 32 tokens: their programs compile now, in the compiler thread
+        engine.submit(long_prompt)  # chunks of 32 tokens: their program compiles now, in the compiler thread
 
         def constrained():
             c = compiler.compile("json_schema", {}, config.vocab_size, config.eos_id)  # any JSON: ~3,000 states

@@ -42,7 +42,7 @@ from gpt2_jax.serving.state import EngineState
 __all__ = ["Cancelled", "Engine", "QueueFull", "Request"]
 
 OLD_SLOTS = 8  # the default pool holds the KV of the 8 max_seq-long slots the engine used to reserve
-DEFAULT_PREFILL_CHUNK = 64  # tokens per prefill chunk (bench/serve.py: gaps and time to first token)
+DEFAULT_PREFILL_CHUNK = 32  # tokens per prefill chunk: bench/serve.py measures gaps and time to first token
 
 
 def default_blocks(max_seq: int) -> int:

@@ -6,6 +6,7 @@ import collections
 import threading
 import time
 
+from gpt2_jax.compiling import CompileCount
 from gpt2_jax.serving.engine import Engine
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -37,6 +38,7 @@ class Metrics:
 
     def __init__(self):
         self.ttft, self.latency = _Histogram(TTFT_BUCKETS), _Histogram(LATENCY_BUCKETS)
+        self.compiles = CompileCount().start()  # every XLA compile in this process from here on
         self.requests: collections.Counter = collections.Counter()  # by HTTP status
         self.prompt_tokens = 0
         self.completion_tokens = 0
@@ -79,6 +81,11 @@ class Metrics:
             ("prefix_cache_queried_tokens", "prompt tokens of admitted requests", queried),
             ("prefix_cache_hit_tokens", "prompt tokens taken from the prefix cache", stats["prefix_hit_tokens"]),
             ("prefix_cache_evictions", "cached KV blocks evicted for room", stats["prefix_evictions"]),
+            (
+                "xla_compiles",
+                "programs XLA compiled in this process since the API started (0 new once warm)",
+                self.compiles.programs,
+            ),
             ("prompt_tokens", "prompt tokens of completed requests", self.prompt_tokens),
             ("completion_tokens", "completion tokens of completed requests", self.completion_tokens),
         ]

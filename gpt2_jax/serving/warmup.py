@@ -28,10 +28,11 @@ def schedule(engine: Engine, *, echo: bool = True) -> list:
     essential = engine.essential()  # the smallest decode step and prompt chunk, and the row programs: queued first
     if echo:
         params, config = engine.params, engine.config
-        for i, b in enumerate(buckets):
+        for i, b in enumerate(buckets):  # echo's prompt scores, without and with top logprobs (two widths)
             n = min(b, engine.max_seq)
-            build = lambda n=n: prompt_logprobs(params, config, [[0] * n], 1) is not None
-            engine.programs.want(("score", b), build, priority=3.5 + i)
+            for kind, top in (("score", 0), ("score+top", 1)):
+                build = lambda n=n, top=top: prompt_logprobs(params, config, [[0] * n], top) is not None
+                engine.programs.want((kind, b), build, priority=100.0 + i)
     return essential
 
 
