@@ -1,6 +1,7 @@
 """Load generator for `gpt2-jax serve` over loopback, against transformers serving the same requests one at a time.
 
     python bench/serve.py [--model PATH] [--requests 32] [--max-batch 8] [--smoke]
+                          [--blocks-only | --skip-blocks] [--chunks 32,64] [--slots-tree DIR]
 
 It starts `gpt2-jax serve` on a free 127.0.0.1 port (the bundled model by default), then sends the
 same N requests (mixed prompt lengths and settings, each with its own seed, streamed so the time to
@@ -10,6 +11,10 @@ checks every answer against the concurrency-1 answer to the same request: the te
 logprob must be the same bits (no request lost or corrupted). The peer is transformers' `generate`
 on the same weights, one request at a time (sampling with the same settings; its own RNG). Target:
 throughput at concurrency 8 >= 3x concurrency 1.
+
+Then the engine's rows (bench/serve_blocks.py, skipped with --smoke or --skip-blocks): time to first token with a
+cold vs a cached 900-token prefix, inter-token gaps while long prompts arrive (per --prefill-chunk in --chunks), and
+throughput at concurrency 32 with rows bounded by KV blocks vs by slots.
 """
 
 from __future__ import annotations
@@ -139,6 +144,15 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--max-batch", type=int, default=8)
     ap.add_argument("--smoke", action="store_true", help="8 requests of 12 tokens, concurrency 1 and 4")
+    ap.add_argument("--blocks-only", action="store_true", help="only the engine's rows (bench/serve_blocks.py)")
+    ap.add_argument("--skip-blocks", action="store_true", help="not the engine's rows")
+    ap.add_argument("--chunks", default="32,64", help="--prefill-chunk values the gap row runs (the first: TTFT)")
+    ap.add_argument(
+        "--slots-tree",
+        default=None,
+        help="a checkout of the slot engine (e.g. git worktree add DIR "
+        "aeb597d, kernels built) as the blocks row's peer; default: this engine at --max-batch 8",
+    )
     args = ap.parse_args()
     import jax
     import jax.numpy as jnp
@@ -147,7 +161,11 @@ def main() -> None:
     from gpt2_jax import BUNDLED_MODEL
 
     threads = len(os.sched_getaffinity(0))
-    describe(jax, jnp, threads)
+    info = describe(jax, jnp, threads)
+    if args.blocks_only:
+        import serve_blocks
+
+        return serve_blocks.main(info, [int(c) for c in args.chunks.split(",")], args.slots_tree)
     n, max_tokens, levels = (8, 12, [1, 4]) if args.smoke else (args.requests, args.max_tokens, [1, 4, 8, 16])
     model = args.model or str(BUNDLED_MODEL)
     print(f"model: {model}; {n} requests, up to {max_tokens} tokens each, mixed prompts and settings, streamed; "
@@ -185,6 +203,10 @@ def main() -> None:
         f"transformers generate, one request at a time: {tokens / seconds:8.1f} tokens/s ({n} requests in "
         f"{seconds:.1f} s); gpt2-jax serve at concurrency {top}: {results[top] / (tokens / seconds):.2f}x that"
     )
+    if not (args.smoke or args.skip_blocks):
+        import serve_blocks
+
+        serve_blocks.main(info, [int(c) for c in args.chunks.split(",")], args.slots_tree)
 
 
 if __name__ == "__main__":
