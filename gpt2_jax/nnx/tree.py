@@ -32,14 +32,14 @@ class Node(nnx.Module):
     CHILDREN: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, tree: Mapping[str, Any]):
-        self.names = tuple(tree)  # the pytree's keys, in its order (static: strings are no state)
         for name, value in tree.items():
             child = self.CHILDREN.get(name)
             setattr(self, name, child(value) if child is not None else nnx.Param(value))
 
     def tree(self) -> dict[str, Any]:
-        """This node's params pytree: the Params' own arrays (a view, no copy)."""
-        return {name: _tree_of(getattr(self, name)) for name in self.names}
+        """This node's params pytree: the Params' own arrays (a view, no copy). Its attributes that are
+        parameters or modules of them; anything else (GPT2LMHead's config and rngs) is no part of it."""
+        return {name: _tree_of(v) for name, v in vars(self).items() if isinstance(v, (Node, nnx.List, nnx.Param))}
 
 
 def _tree_of(value: Any) -> Any:
