@@ -10,6 +10,7 @@ The public API. Each folder answers one question:
   parallel/     many devices and hosts: meshes, sharding, multi-process runs
   interp/       looking inside: TransformerLens-named hooks, logit lens, patching
   serving/      the continuous-batching engine and its OpenAI-compatible HTTP API
+  nnx/          GPT-2 as a Flax NNX module over the same params and functions (imported on first use)
   cli/          the gpt2-jax command
 """
 
@@ -27,6 +28,16 @@ from gpt2_jax.tokenizer import tokenizer
 from gpt2_jax.training import Hyper, eval_loss, init_state, loss_fn, make_optimizer, make_train_step
 
 inspect = interp  # the folder's name before 0.4 (it shadowed the standard library's inspect module)
+
+
+def __getattr__(name: str):
+    """gpt2_jax.nnx on first use: it imports flax (about 0.6 s), which nothing else needs."""
+    if name == "nnx":
+        import importlib
+
+        return importlib.import_module("gpt2_jax.nnx")
+    raise AttributeError(f"module 'gpt2_jax' has no attribute {name!r}")
+
 
 __all__ = [
     "BUNDLED_MODEL", "PRESETS", "CheckpointError", "CompileTimer", "Completion", "ConfigError", "GPT2Config",

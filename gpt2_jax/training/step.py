@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.tree_util import DictKey, SequenceKey
 
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import ConfigError
@@ -77,10 +78,13 @@ def loss_fn(
 
 
 def decay_mask(params: Params) -> Params:
-    """True on the leaves that get weight decay: matmul weights and wte."""
+    """True on the leaves that get weight decay: matmul weights and wte. The names are the path's dict
+    keys and list indices only: a Flax nnx.State (gpt2_jax.nnx) holds each array as an attribute of a
+    Variable, one more step on its path (.value) that names no parameter, so the state's mask is the
+    params pytree's."""
 
     def decayed(path, _):
-        names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+        names = [k.key if isinstance(k, DictKey) else k.idx for k in path if isinstance(k, (DictKey, SequenceKey))]
         return names == ["wte"] or (names[-1] == "weight" and any(n in _DECAYED for n in names))
 
     return jax.tree_util.tree_map_with_path(decayed, params)
