@@ -10,10 +10,11 @@ The public API. Each folder answers one question:
   parallel/     many devices and hosts: meshes, sharding, multi-process runs
   interp/       looking inside: TransformerLens-named hooks, logit lens, patching
   serving/      the continuous-batching engine and its OpenAI-compatible HTTP API
+  rl/           reinforcement learning on the model's samples: GRPO, exactly on-policy
   cli/          the gpt2-jax command
 """
 
-from gpt2_jax import interp, kernels, sampling
+from gpt2_jax import interp, kernels, rl, sampling
 from gpt2_jax.checkpoints import BUNDLED_MODEL, convert, load
 from gpt2_jax.compiling import CompileTimer
 from gpt2_jax.config import PRESETS, GPT2Config
@@ -32,6 +33,6 @@ __all__ = [
     "BUNDLED_MODEL", "PRESETS", "CheckpointError", "CompileTimer", "Completion", "ConfigError", "GPT2Config",
     "GPT2JaxError", "GenerateResult", "Hyper", "InputError", "SamplingParams", "cast_params", "complete", "constraints", "convert",
     "distributed", "eval_loss", "forward", "generate", "generate_stream", "init_params", "init_state", "inspect",
-    "interp", "kernels", "load", "loss_fn", "make_optimizer", "make_train_step", "precision", "run_with_cache",
+    "interp", "kernels", "load", "loss_fn", "make_optimizer", "make_train_step", "precision", "rl", "run_with_cache",
     "run_with_hooks", "sampling", "sharding", "stack_layers", "tokenizer", "unstack_layers",
 ]  # fmt: skip

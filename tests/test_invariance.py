@@ -155,9 +155,11 @@ def test_log_softmax_rows_keep_their_bits_for_every_row_count():
     from gpt2_jax.sampling.draw import token_logprobs
 
     params, config = gpt2_jax.load(gpt2_jax.BUNDLED_MODEL, dtype="float32")
-    text = ("HAMLET.\nTo be, or not to be, that is the question: Whether 'tis nobler in the mind to suffer the slings "
-            "and arrows of outrageous fortune, or to take arms against a sea of troubles, and by opposing end them. To "
-            "die: to sleep; no more; and by a sleep to say we end the heart-ache and the thousand natural shocks")
+    text = (
+        "HAMLET.\nTo be, or not to be, that is the question: Whether 'tis nobler in the mind to suffer the slings "
+        "and arrows of outrageous fortune, or to take arms against a sea of troubles, and by opposing end them. To "
+        "die: to sleep; no more; and by a sleep to say we end the heart-ache and the thousand natural shocks"
+    )
     ids = gpt2_jax.tokenizer().encode(text)[:72]
     logits = np.asarray(gpt2_jax.forward(params, np.array([ids]), config))[0]  # [T, V]
     tokens = np.array(ids[1:] + ids[:1], np.int32)
