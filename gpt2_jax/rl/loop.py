@@ -14,6 +14,7 @@ the history the uninterrupted one does.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import shutil
@@ -198,6 +199,13 @@ def _in_dir(out: Path, run, state, ref, history, steps, resume, progress, callba
         raise
 
 
+@functools.lru_cache(maxsize=8)
+def _grpo_step(config: GPT2Config, hyper: Hyper, objective: Objective):
+    """One jitted step per setting, shared by the runs that use it (a second run, or a resumed one, in the same
+    process compiles nothing new)."""
+    return make_grpo_step(config, make_optimizer(hyper), objective)
+
+
 class _Run:
     """One run's fixed settings, and its steps."""
 
@@ -205,7 +213,7 @@ class _Run:
                  length, tokenizer):  # fmt: skip
         self.config, self.texts, self.ids, self.reward, self.key = config, texts, ids, reward, key
         self.G, self.P, self.sampling, self.epochs, self.length = group_size, per_step, sampling, epochs, length
-        self.tokenizer, self.step_fn = tokenizer, make_grpo_step(config, make_optimizer(hyper), objective)
+        self.tokenizer, self.step_fn = tokenizer, _grpo_step(config, hyper, objective)
         self.warned = False
 
     def rollout(self, params: Params, ref: Params, s: int) -> tuple[Rollout, np.ndarray, float]:
