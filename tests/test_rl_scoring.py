@@ -12,6 +12,7 @@ from gpt2_jax.errors import InputError
 from gpt2_jax.generation import scoring
 from gpt2_jax.generation.generator import generate
 from gpt2_jax.model.params import to_flat
+from gpt2_jax.training.loss_head import weighted_head_loss
 from tests.reference import make_hf_model, rel_err, saved_and_loaded
 
 # gpt2's widths (12 heads of 64, the full vocab), two layers to keep the suite fast.
@@ -63,7 +64,9 @@ def test_sequence_logprobs_are_generates_bits(model, sampled, name):
     _, params, config = model
     logprobs, completions = sampled[name]
     order, prompts, comps = shuffled_and_repadded(completions)
-    assert rl.pack(prompts, comps, config).tokens.shape[1] == 64 != rl.pack(PROMPTS, completions, config).tokens.shape[1]
+    assert (
+        rl.pack(prompts, comps, config).tokens.shape[1] == 64 != rl.pack(PROMPTS, completions, config).tokens.shape[1]
+    )
     got = np.asarray(rl.sequence_logprobs(params, config, prompts, comps))
     assert got.shape == (5, N)
     for row, b in enumerate(order):
@@ -133,3 +136,26 @@ def test_bad_input_is_named(tiny):
         rl.sequence_logprobs(params, config, [[1]], [[101]])
     with pytest.raises(InputError, match="70 tokens exceed the context n_positions=64"):
         rl.sequence_logprobs(params, config, [[1] * 60], [[2] * 10])
+
+
+@pytest.mark.parametrize("B, T", [(3, 100), (130, 2)])  # 3 chunks, the last padded; 1 position per chunk
+def test_weighted_head_loss_matches_numpy(B, T):
+    """The backward's head (training's fused head with a weight per token): sum(w x cross-entropy) and its
+    gradients d/dh = (w (softmax - onehot)) @ wte, d/dwte = (w (softmax - onehot)).T @ h, in float64."""
+    rng = np.random.default_rng(8)
+    h, wte = rng.normal(size=(B, T, 48)), 0.3 * rng.normal(size=(101, 48))
+    targets, w = rng.integers(0, 101, (B, T)), rng.normal(size=(B, T))
+    logits = h.reshape(-1, 48) @ wte.T
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    rows = np.arange(B * T)
+    loss = -(np.log(p[rows, targets.reshape(-1)]) * w.reshape(-1)).sum()
+    d = p.copy()
+    d[rows, targets.reshape(-1)] -= 1.0
+    d *= w.reshape(-1, 1)
+    f32 = lambda a: jnp.asarray(a, jnp.float32)
+    ours, (dh, dwte) = jax.value_and_grad(weighted_head_loss, argnums=(0, 1))(f32(h), f32(wte), jnp.asarray(targets),
+                                                                              f32(w))  # fmt: skip
+    assert abs(float(ours) - loss) <= 1e-5 * np.abs(w).sum()
+    assert rel_err(dh, (d @ wte).reshape(B, T, 48)) <= 1e-5
+    assert rel_err(dwte, d.T @ h.reshape(-1, 48)) <= 1e-5

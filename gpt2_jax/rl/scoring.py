@@ -9,10 +9,11 @@ One thing breaks that under jax.grad, and it is handled here. Differentiated, XL
 together with the residuals its backward keeps, fuses it differently and rounds differently: on the bundled
 model, autodiff's forward gave logprobs up to 2.6e-6 away from the sampler's (measured 2026-12-02, 32 rows of
 48 tokens). `completion_logprobs` therefore has a custom VJP: its forward is the plain inference forward
-(the sampler's bits), and its backward recomputes that forward under autodiff, behind an optimization barrier
-so that XLA cannot merge the two, and pulls the cotangent through it. The gradient is autodiff's gradient,
-taken at activations that differ from the forward's by that rounding; the price is one more forward per
-backward.
+(the sampler's bits, and nothing kept but its inputs), and its backward differentiates the same function
+written as the training step writes its loss (training's attention, its unrolled layer scan, its chunked
+fused head), which equals the inference forward to float32 rounding and which autodiff differentiates faster.
+The gradient is therefore the gradient at activations a rounding error away from the forward's (it matches
+PyTorch's to 1e-4, tests/test_rl_scoring.py); the price is one more forward per backward.
 
 Shape legend: B rows, T positions (bucketed), N completion tokens, D width, V vocab.
 """
@@ -30,9 +31,12 @@ from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import InputError
 from gpt2_jax.generation.batching import as_prompts
 from gpt2_jax.generation.scoring import check_rows, padded_rows
-from gpt2_jax.model import mesh_of, on_mesh, trunk, unembed
+from gpt2_jax.model import mesh_of, on_mesh, stack_layers, trunk, unembed
+from gpt2_jax.model.layers import layer_norm
 from gpt2_jax.model.params import Params
 from gpt2_jax.sampling.draw import token_logprobs
+from gpt2_jax.training.loss_head import weighted_head_loss
+from gpt2_jax.training.step import TRAIN_UNROLL
 
 
 class Packed(NamedTuple):
@@ -82,12 +86,23 @@ def _fwd(params, tokens, index, config):
     return _forward(params, tokens, index, config), (params, tokens, index)
 
 
+def _training_objective(params: Params, tokens: jax.Array, index: jax.Array, g: jax.Array, config: GPT2Config):
+    """sum(g x logprobs) as the training step computes a loss: the same function as _forward's to float32
+    rounding, in the form autodiff differentiates fastest (training's attention and unrolled layer scan on
+    stacked layers, see gpt2_jax.training.loss_fn, and its fused head, chunked, its gradient made in one pass)."""
+    config = config.replace(embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0)  # a key selects training's path only
+    stacked = stack_layers(params)
+    x = trunk(stacked, tokens, config, jax.random.key(0), unroll=min(TRAIN_UNROLL, config.n_layer))
+    h = layer_norm(stacked["ln_f"], jnp.take_along_axis(x, index[..., None], axis=1), config.layer_norm_epsilon)
+    targets = jnp.take_along_axis(tokens, index + 1, axis=1)
+    return -weighted_head_loss(h, stacked["wte"], targets, g)  # logprob = -cross-entropy
+
+
 def _bwd(config, res, g):
-    # The barrier keeps XLA from merging this recomputation with the forward above (the same ops on the same
-    # inputs), which would give the forward autodiff's fusion, and its rounding, again.
+    # The barrier keeps XLA from merging the backward's forward with the forward above (were they the same ops
+    # on the same inputs, the forward would get autodiff's fusion, and its rounding, again).
     params, tokens, index = jax.lax.optimization_barrier(res)
-    _, pull = jax.vjp(lambda p: _forward(p, tokens, index, config), params)
-    return (*pull(g), None, None)
+    return jax.grad(_training_objective)(params, tokens, index, g, config), None, None
 
 
 completion_logprobs.defvjp(_fwd, _bwd)
