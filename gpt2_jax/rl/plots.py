@@ -16,7 +16,7 @@ def plot_rewards(history: dict[str, Any], path: Path) -> None:
 
     steps = np.arange(1, len(history["reward_mean"]) + 1)
     mean, std = np.asarray(history["reward_mean"]), np.asarray(history["reward_std"])
-    fig = Figure(figsize=(10, 3.6), layout="constrained")
+    fig = Figure(figsize=(12, 3.6), layout="constrained")
     ax, kl, gap = fig.subplots(1, 3)
     ax.plot(steps, mean, "o-", ms=3, label="mean reward")
     ax.fill_between(steps, mean - std, mean + std, alpha=0.2, label="± std over the step's completions")
@@ -25,7 +25,7 @@ def plot_rewards(history: dict[str, Any], path: Path) -> None:
     kl.plot(steps, history["kl"], "o-", ms=3, color="tab:green")
     kl.set(title="KL(policy ‖ reference) per token", xlabel="GRPO step", ylabel="nats")
     gap.plot(steps, history["mismatch"], "o-", ms=3, color="tab:red")
-    gap.set(title="max |sampler − trainer| logprob, epoch 1", xlabel="GRPO step", ylabel="nats")
+    gap.set(title="largest |sampler − trainer| logprob", xlabel="GRPO step", ylabel="nats (first epoch)")
     tmp = Path(path).with_suffix(".tmp.png")
     fig.savefig(tmp, dpi=100)
     os.replace(tmp, path)
