@@ -11,10 +11,11 @@ The public API. Each folder answers one question:
   interp/       looking inside: TransformerLens-named hooks, logit lens, patching
   serving/      the continuous-batching engine and its OpenAI-compatible HTTP API
   nnx/          GPT-2 as a Flax NNX module over the same params and functions (imported on first use)
+  rl/           reinforcement learning on the model's samples: GRPO, exactly on-policy
   cli/          the gpt2-jax command
 """
 
-from gpt2_jax import interp, kernels, sampling
+from gpt2_jax import interp, kernels, rl, sampling
 from gpt2_jax.checkpoints import BUNDLED_MODEL, convert, load
 from gpt2_jax.compiling import CompileTimer
 from gpt2_jax.config import PRESETS, GPT2Config
@@ -43,6 +44,6 @@ __all__ = [
     "BUNDLED_MODEL", "PRESETS", "CheckpointError", "CompileTimer", "Completion", "ConfigError", "GPT2Config",
     "GPT2JaxError", "GenerateResult", "Hyper", "InputError", "SamplingParams", "cast_params", "complete", "constraints", "convert",
     "distributed", "eval_loss", "forward", "generate", "generate_stream", "init_params", "init_state", "inspect",
-    "interp", "kernels", "load", "loss_fn", "make_optimizer", "make_train_step", "precision", "run_with_cache",
+    "interp", "kernels", "load", "loss_fn", "make_optimizer", "make_train_step", "precision", "rl", "run_with_cache",
     "run_with_hooks", "sampling", "sharding", "stack_layers", "tokenizer", "unstack_layers",
 ]  # fmt: skip

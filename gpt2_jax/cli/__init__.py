@@ -1,4 +1,4 @@
-"""The gpt2-jax command: generate, convert, train, data, serve. It uses only the public API (checked by
+"""The gpt2-jax command: generate, convert, train, data, serve, rl. It uses only the public API (checked by
 import-linter, see pyproject.toml)."""
 
 from gpt2_jax.checkpoints import BUNDLED_MODEL

@@ -13,6 +13,7 @@ import jax
 
 from gpt2_jax.cli import convert as cli_convert
 from gpt2_jax.cli import generate as cli_generate
+from gpt2_jax.cli import rl as cli_rl
 from gpt2_jax.cli import serve as cli_serve
 from gpt2_jax.cli import train as cli_train
 from gpt2_jax.cli.help import HelpFormatter
@@ -20,7 +21,7 @@ from gpt2_jax.errors import GPT2JaxError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The whole command line's parser (gpt2-jax generate|convert|train|data)."""
+    """The whole command line's parser (gpt2-jax generate|convert|train|data|serve|rl)."""
     parser = argparse.ArgumentParser(prog="gpt2-jax", description="GPT-2 in JAX: generate text, convert checkpoints")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text from a prompt", formatter_class=HelpFormatter)
@@ -65,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     cli_train.train_parser(train)
     _cache_arg(train)
     cli_train.data_parser(sub.add_parser("data", help="prepare training data"))
+    rl = sub.add_parser("rl", help="fine-tune on a reward with GRPO, exactly on-policy", formatter_class=HelpFormatter)
+    cli_rl.rl_parser(rl)
+    _cache_arg(rl)
     cli_serve.serve_parser(sub.add_parser("serve", help="serve an OpenAI-compatible completions API over HTTP",
                                  formatter_class=HelpFormatter), _cache_arg)  # fmt: skip
     return parser
@@ -135,10 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "convert":
             return cli_convert.run(args)
-        if args.command in ("generate", "train", "serve"):
+        if args.command in ("generate", "train", "serve", "rl"):
             _use_compile_cache(args)
         return {"generate": cli_generate.run_generate, "train": cli_train.run_train, "data": cli_train.run_data,
-                "serve": cli_serve.run_serve}[args.command](args)  # fmt: skip
+                "serve": cli_serve.run_serve, "rl": cli_rl.run_rl}[args.command](args)  # fmt: skip
     except GPT2JaxError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -53,16 +53,18 @@ def score_tokens(params: Params, tokens: jax.Array, config: GPT2Config, r: int =
 _score = functools.partial(jax.jit, static_argnames=("config", "r"))(score_tokens)
 
 
-def _padded(rows: list[list[int]], config: GPT2Config) -> np.ndarray:
-    """Right-pad to a bucketed length (a new length rarely compiles), repeating each row's last token."""
-    T = bucket(max(map(len, rows)), config.n_positions)
+def padded_rows(rows: list[list[int]], config: GPT2Config, length: int = 0) -> np.ndarray:
+    """Right-pad to a bucketed length (a new length rarely compiles), at least `length`, repeating each row's
+    last token."""
+    T = bucket(max(max(map(len, rows)), length), config.n_positions)
     out = np.empty((len(rows), T), np.int32)
     for b, row in enumerate(rows):
         out[b, : len(row)], out[b, len(row) :] = row, row[-1]
     return out
 
 
-def _check(rows: list[list[int]], config: GPT2Config) -> None:
+def check_rows(rows: list[list[int]], config: GPT2Config) -> None:
+    """InputError for a sequence longer than the context or holding an id outside the vocab."""
     for b, row in enumerate(rows):
         if len(row) > config.n_positions:
             raise InputError(f"sequence {b}: {len(row)} tokens exceed the context n_positions={config.n_positions}")
@@ -75,10 +77,10 @@ def prompt_logprobs(params: Params, config: GPT2Config, prompts: Any, top_logpro
     """Prompts (token-id lists, ragged) -> each token's logprob given the tokens before it (None for the first),
     and with top_logprobs = R <= 20 the R most likely ids at each position, as generate reports them."""
     rows = as_prompts(prompts)
-    _check(rows, config)
+    check_rows(rows, config)
     r = TOP_LOGPROBS if top_logprobs else 0  # one compiled width, cut on the host, as generate does
     with on_mesh(mesh_of(params)):
-        picked, ids, values = jax.device_get(_score(params, jnp.asarray(_padded(rows, config)), config, r))
+        picked, ids, values = jax.device_get(_score(params, jnp.asarray(padded_rows(rows, config)), config, r))
     lps = [[None] + picked[b, : len(p) - 1].tolist() for b, p in enumerate(rows)]
     if not r:
         return PromptScores(lps, None, None)
@@ -96,11 +98,11 @@ def sequence_logprobs(params: Params, config: GPT2Config, prompts: Any, completi
     if len(prompts) != len(completions):
         raise InputError(f"{len(prompts)} prompts but {len(completions)} completions")
     rows = [p + c for p, c in zip(prompts, completions)]
-    _check(rows, config)
+    check_rows(rows, config)
     N = max(map(len, completions), default=0)
     if N == 0:
         return jnp.zeros((len(rows), 0), jnp.float32)
-    tokens = jnp.asarray(_padded(rows, config))
+    tokens = jnp.asarray(padded_rows(rows, config))
     picked = _score(params, tokens, config, 0)[0]  # [B, T-1]: position t predicts token t + 1 (jitted, as decode is)
     start = np.array([len(p) - 1 for p in prompts])  # the position that predicts each completion's first token
     index = np.minimum(start[:, None] + np.arange(N)[None, :], tokens.shape[1] - 2)

@@ -25,6 +25,7 @@ from gpt2_jax.errors import ConfigError, GPT2JaxError
 from gpt2_jax.model.params import Params, init_params, stack_layers
 from gpt2_jax.parallel.sharding import onto_mesh, shard_params
 from gpt2_jax.training.data import TokenData
+from gpt2_jax.training.run_dir import check_writable, checkpoint_manager, make_dir, progress_bar, write_json
 from gpt2_jax.training.step import Hyper, eval_loss, init_state, make_optimizer, make_train_step
 
 
@@ -63,30 +64,6 @@ def initial_params(init: str, config: GPT2Config | None, key: jax.Array) -> tupl
     return stack_layers(params), found
 
 
-def _check_writable(out: Path) -> None:
-    """Fail, creating nothing, unless out is (or can be created as) a writable directory."""
-    probe = out
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    if not probe.is_dir():
-        raise GPT2JaxError(f"--out {out} is not writable ({probe} is not a directory)")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise GPT2JaxError(f"--out {out} is not writable (permission denied on {probe})")
-
-
-def _make_dir(out: Path) -> None:
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise GPT2JaxError(f"--out {out} is not writable ({e.strerror})") from None
-
-
-def _manager(out: Path):
-    import orbax.checkpoint as ocp
-
-    return ocp.CheckpointManager(out.absolute() / "checkpoints", options=ocp.CheckpointManagerOptions(max_to_keep=2))
-
-
 def train(
     data: str,
     out: str,
@@ -116,7 +93,7 @@ def train(
     embd/attn/resid rates of the config (--config's or, fine-tuning, the checkpoint's)."""
     out_dir = Path(out)
     # Everything that can be wrong with the arguments is checked before anything is written.
-    _check_writable(out_dir)
+    check_writable(out_dir)
     tokens = TokenData(data)
     key = jax.random.key(seed)
     params, config = initial_params(init, config, jax.random.fold_in(key, 0))
@@ -126,7 +103,7 @@ def train(
         raise ConfigError(f"--block-size {block_size} exceeds the model's context n_positions={config.n_positions}")
     tokens.check_block_size(block_size)
     created = not out_dir.exists()
-    _make_dir(out_dir)
+    make_dir(out_dir)
     try:
         return _run(out_dir, tokens, key, params, config, hyper, batch_size, block_size, accum, eval_every,
                     eval_batches, ckpt_every, resume, progress, mesh, remat)  # fmt: skip
@@ -163,7 +140,7 @@ def _run(
     state = init_state(params, optimizer)
     if mesh is not None:
         state = onto_mesh(state, mesh)  # counters too: a resumed state must come back on the mesh
-    manager = _manager(out_dir)
+    manager = checkpoint_manager(out_dir)
     history: dict[str, Any] = {"loss": [], "val": [], "unigram_val": tokens.unigram_loss()}
     if resume and manager.latest_step() is not None:
         state = manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(state))
@@ -182,7 +159,7 @@ def _run(
         return np.stack([tokens.batch("train", jax.random.fold_in(jax.random.fold_in(data_key, s), a), batch_size,
                                       block_size) for a in range(accum)])  # fmt: skip
 
-    bar = _progress(int(state.step), hyper.steps, progress)
+    bar = progress_bar(int(state.step), hyper.steps, progress)
     rate = RecentRate()
     start = int(state.step)
     batch = batch_of(start) if start < hyper.steps else None
@@ -201,7 +178,7 @@ def _run(
         if save:
             manager.save(done, args=ocp.args.StandardSave(state))  # with several processes: each its shards
             manager.wait_until_finished()
-            _write_json(out_dir / "history.json", history)
+            write_json(out_dir / "history.json", history)
         bar.update(1)
         bar.set_postfix(loss=f"{history['loss'][-1]:.3f}", val=f"{history['val'][-1][1]:.3f}" if history["val"] else "-",
                         tok_s=f"{rate.rate():.0f}", first_step=f"{rate.first_s:.1f}s")  # fmt: skip
@@ -209,7 +186,7 @@ def _run(
     history["first_step_s"], history["tokens_per_s"] = rate.first_s, rate.rate()
     bar.close()
     native.save(out_dir / "model", state.params, config, force=True)
-    _write_json(out_dir / "history.json", history)
+    write_json(out_dir / "history.json", history)
     if jax.process_index() == 0:
         plot_history(history, out_dir / "loss.png")
     return history
@@ -231,22 +208,6 @@ class RecentRate:
     def rate(self) -> float:
         seconds = sum(t for t, _ in self.steps)
         return sum(n for _, n in self.steps) / seconds if seconds > 0 else 0.0
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    """Atomically, from process 0 only (every process holds the same history)."""
-    if jax.process_index() != 0:
-        return
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj))
-    os.replace(tmp, path)
-
-
-def _progress(start: int, total: int, enabled: bool):
-    from tqdm import tqdm
-
-    enabled = enabled and jax.process_index() == 0
-    return tqdm(total=total, initial=start, disable=not enabled, unit="step", dynamic_ncols=True)
 
 
 def plot_history(history: dict[str, Any], path: Path) -> None:

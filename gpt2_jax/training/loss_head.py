@@ -30,9 +30,10 @@ def head_rows(D: int) -> int:
     return min(1024, 128 * 2 ** max(0, math.ceil(math.log2(D / 128))))
 
 
-def _chunks(h: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """[B, T, D], [B, T] -> [N, B, C, D], [N, B, C], valid [N, B, C]: T cut into N chunks of C positions
-    (B x C ~ head_rows(D) rows; T padded with zero rows, invalid). Along T, the axis no mesh splits."""
+def _chunks(h: jax.Array, targets: jax.Array, weights: jax.Array | None = None):
+    """[B, T, D], [B, T] (and weights [B, T]) -> [N, B, C, D], [N, B, C], valid [N, B, C] (and weights [N, B, C]):
+    T cut into N chunks of C positions (B x C ~ head_rows(D) rows; T padded with zero rows, invalid). Along T,
+    the axis no mesh splits."""
     B, T, D = h.shape
     C = min(T, max(1, head_rows(D) // B))
     n = -(-T // C)
@@ -41,45 +42,52 @@ def _chunks(h: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array, jax
     h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
     targets = jnp.pad(targets, ((0, 0), (0, pad)))
     split = lambda a: jnp.moveaxis(a.reshape(B, n, C, *a.shape[2:]), 1, 0)
-    return split(h), split(targets), jnp.broadcast_to(valid.reshape(n, 1, C), (n, B, C))
+    w = None if weights is None else split(jnp.pad(weights, ((0, 0), (0, pad))))
+    return split(h), split(targets), jnp.broadcast_to(valid.reshape(n, 1, C), (n, B, C)), w
 
 
-def _head(h: jax.Array, wte: jax.Array, targets: jax.Array, grads: bool):
-    """Mean cross-entropy of logits = h @ wte.T against targets, a chunk of positions at a time, and with
-    grads its gradients (dh [B, T, D], dwte [V, D]) computed in the same pass.
+def _head(h: jax.Array, wte: jax.Array, targets: jax.Array, grads: bool, weights: jax.Array | None = None):
+    """Mean cross-entropy of logits = h @ wte.T against targets (with weights [B, T]: the weighted sum
+    instead), a chunk of positions at a time, and with grads its gradients (dh [B, T, D], dwte [V, D])
+    computed in the same pass.
 
     Each chunk's M = B x C rows are held transposed, logits.T [V, M]: in that orientation XLA's CPU
     matmuls ran fastest for all three products (logits.T = wte x.T, dx = (d.T).T wte, dwte += d.T x;
     measured against [M, V], whose dwte product needed d transposed, a copy of [V, M] per chunk), and
     dwte comes out in wte's own layout. The first chunk seeds the dwte sum (no zero [V, D] to write).
     exp is computed once and kept (the barrier): the sum and the gradient both read it."""
-    hc, tc, valid = _chunks(h, targets)
+    hc, tc, valid, wc = _chunks(h, targets, weights)
     count = targets.size
 
-    def chunk(x, t, ok):  # x [B, C, D], t and ok [B, C] -> (summed loss, dx [B, C, D], dwte part [V, D])
+    def chunk(x, t, ok, w):  # x [B, C, D], t, ok and w [B, C] -> (summed loss, dx [B, C, D], dwte part [V, D])
         xm, t, ok = x.reshape(-1, x.shape[-1]).astype(wte.dtype), t.reshape(-1), ok.reshape(-1)
         logits = jnp.einsum("VD,MD->VM", wte, xm, preferred_element_type=F32)  # [V, M]
         top = logits.max(0, keepdims=True)
         e = jax.lax.optimization_barrier(jnp.exp(logits - top))  # once, for the sum and the gradient
         s = e.sum(0, keepdims=True)
         picked = jnp.take_along_axis(logits, t[None], axis=0)
-        total = jnp.where(ok, (jnp.log(s) + top - picked)[0], 0.0).sum()
+        ce = (jnp.log(s) + top - picked)[0]
+        total = jnp.where(ok, ce if w is None else w.reshape(-1) * ce, 0.0).sum()
         if not grads:
             return total, None, None
         onehot = jnp.arange(logits.shape[0], dtype=t.dtype)[:, None] == t[None]
-        d = jnp.where(ok[None], e * (1.0 / (s * count)) - onehot / count, 0.0).astype(wte.dtype)  # dloss/dlogits.T
+        if w is None:
+            d = e * (1.0 / (s * count)) - onehot / count  # dloss/dlogits.T
+        else:
+            d = e * (w.reshape(1, -1) / s) - onehot * w.reshape(1, -1)
+        d = jnp.where(ok[None], d, 0.0).astype(wte.dtype)
         dx = jnp.einsum("VM,VD->MD", d, wte, preferred_element_type=F32).reshape(x.shape)
         return total, dx, jnp.einsum("VM,MD->VD", d, xm, preferred_element_type=F32)
 
-    first = chunk(hc[0], tc[0], valid[0])
+    first = chunk(hc[0], tc[0], valid[0], None if wc is None else wc[0])
 
     def step(carry, xs):
         total, dwte = carry
         part, dx, dw = chunk(*xs)
         return (total + part, None if dwte is None else dwte + dw), dx
 
-    (total, dwte), dx = jax.lax.scan(step, first[::2], (hc[1:], tc[1:], valid[1:]))
-    loss = total / count
+    (total, dwte), dx = jax.lax.scan(step, first[::2], (hc[1:], tc[1:], valid[1:], None if wc is None else wc[1:]))
+    loss = total / count if weights is None else total
     if not grads:
         return loss
     B, T, D = h.shape
@@ -109,3 +117,23 @@ def _head_bwd(grads, g):
 
 
 head_loss.defvjp(_head_fwd, _head_bwd)
+
+
+@jax.custom_vjp
+def weighted_head_loss(h: jax.Array, wte: jax.Array, targets: jax.Array, weights: jax.Array) -> jax.Array:
+    """sum over [B, T] of weights x (logsumexp(h @ wte.T) - (h @ wte.T)[target]): head_loss with a weight per
+    token instead of the mean (gpt2_jax.rl's backward: the cotangent of each token's logprob), chunked the
+    same way, its gradient computed in the forward pass. Not differentiable in weights."""
+    return _head(h, wte, targets, grads=False, weights=weights)
+
+
+def _weighted_fwd(h, wte, targets, weights):
+    return _head(h, wte, targets, grads=True, weights=weights)
+
+
+def _weighted_bwd(grads, g):
+    dh, dwte = grads
+    return dh * g, dwte * g, None, None
+
+
+weighted_head_loss.defvjp(_weighted_fwd, _weighted_bwd)
