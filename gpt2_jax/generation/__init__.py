@@ -3,12 +3,14 @@
 batching.py     ragged prompts + one SamplingParams per row -> padded arrays, keys and rules (prepare)
 decode.py       prefill, draw, feed, decode_step, the jitted decode loop (gpt-fast's shape)
 generator.py    generate and generate_stream, the public entry points
+beam.py         beam_search (and beam sampling): transformers' beam search, its loop in beam_loop.py
 completion.py   complete: text in, text out, cut as OpenAI does
 stop_strings.py stop strings, matched on the host
 speculative/    speculative decoding that keeps plain decoding's tokens
 """
 
 from gpt2_jax.generation.batching import Prepared, bucket, cache_capacity, prepare
+from gpt2_jax.generation.beam import BeamResult, BeamSteps, beam_search
 from gpt2_jax.generation.completion import Completion, complete
 from gpt2_jax.generation.decode import TOP_LOGPROBS, DecodeState, Rules, Step, StopRule, decode_step, halt, prefill
 from gpt2_jax.generation.generator import GenerateResult, encoding, generate, generate_stream, start, token_bytes
@@ -16,6 +18,8 @@ from gpt2_jax.generation.stop_strings import StopMatcher
 
 __all__ = [
     "TOP_LOGPROBS",
+    "BeamResult",
+    "BeamSteps",
     "Completion",
     "DecodeState",
     "GenerateResult",
@@ -24,6 +28,7 @@ __all__ = [
     "Step",
     "StopMatcher",
     "StopRule",
+    "beam_search",
     "bucket",
     "cache_capacity",
     "complete",
