@@ -63,11 +63,13 @@ def _is_int(x: Any) -> bool:
 
 
 def check_beam_settings(B: int, num_beams, num_return_sequences, length_penalty, early_stopping, do_sample) -> dict:
-    """Each beam setting, per prompt, checked -> {name: list of B values}. ConfigError names the setting and row."""
-    out = {k: _per_row(k, v, B) for k, v in (("num_beams", num_beams), ("num_return_sequences", num_return_sequences),
-           ("length_penalty", length_penalty), ("early_stopping", early_stopping), ("do_sample", do_sample))}  # fmt: skip
+    """Each beam setting, per prompt, checked -> {name: list of B values}. ConfigError names the setting (and the
+    row, for one given per prompt): "num_beams[1] must be ..."."""
+    given = {"num_beams": num_beams, "num_return_sequences": num_return_sequences, "length_penalty": length_penalty,
+             "early_stopping": early_stopping, "do_sample": do_sample}  # fmt: skip
+    out = {k: _per_row(k, v, B) for k, v in given.items()}
     for b in range(B):
-        at = (lambda name: f"{name}[{b}]") if B > 1 else (lambda name: name)
+        at = lambda name: f"{name}[{b}]" if isinstance(given[name], (list, tuple, np.ndarray)) else name
         k, r = out["num_beams"][b], out["num_return_sequences"][b]
         lp, es, ds = out["length_penalty"][b], out["early_stopping"][b], out["do_sample"][b]
         if not _is_int(k) or not 1 <= k <= MAX_BEAMS:

@@ -111,15 +111,19 @@ def gumbel(keys: jax.Array, v: int, use: jax.Array) -> jax.Array:
     return jax.lax.cond(jnp.any(use), noise, lambda: jnp.zeros((keys.shape[0], v)))
 
 
-def candidates(acc: jax.Array, noise: jax.Array, c: int, kept: jax.Array) -> tuple[jax.Array, jax.Array]:
+def candidates(acc: jax.Array, noise: jax.Array, c: int, kept: jax.Array, plain: jax.Array):
     """Accumulated scores acc [B, W * V] (+ Gumbel noise [B, W * V], zero for greedy prompts) -> each prompt's
-    kept [B] <= c best: values [B, c] by descending score (-inf past kept) and flat indices [B, c]. With noise
-    this samples them without replacement from softmax(acc), as transformers' torch.multinomial does, then
-    sorts them by score; the cut comes first, so the sample does not depend on c."""
-    _, idx = jax.lax.top_k(acc + noise, c)
-    vals = jnp.where(jnp.arange(c) < kept[:, None], jnp.take_along_axis(acc, idx, axis=1), -jnp.inf)
-    neg, idx = jax.lax.sort((-vals, idx), dimension=1, is_stable=True, num_keys=1)  # descending score
-    return -neg, idx
+    kept [B] <= c candidates: (scores [B, c], the order they rank in [B, c], descending, flat indices [B, c]),
+    -inf past kept. With noise this samples them without replacement from softmax(acc), as transformers'
+    torch.multinomial does, then ranks them by score; the cut comes first, so the sample does not depend on c.
+    A plain [B] prompt (sampling with one beam, i.e. plain sampling) ranks them in the order drawn, so its
+    first candidate is a Gumbel-max draw from softmax(acc)."""
+    drawn, idx = jax.lax.top_k(acc + noise, c)
+    past = jnp.arange(c) >= kept[:, None]
+    vals = jnp.where(past, -jnp.inf, jnp.take_along_axis(acc, idx, axis=1))
+    rank = jnp.where(plain[:, None], jnp.where(past, -jnp.inf, drawn), vals)
+    neg, vals, idx = jax.lax.sort((-rank, vals, idx), dimension=1, is_stable=True, num_keys=1)  # descending rank
+    return vals, -neg, idx
 
 
 def extend(h: Hyps, parent: jax.Array, token: jax.Array, logprob: jax.Array, t: jax.Array) -> Hyps:
@@ -135,15 +139,14 @@ def _select(h: Hyps, idx: jax.Array) -> Hyps:
 
 def finish(fin: Hyps, cand: Hyps, vals: jax.Array, ends: jax.Array, state: BeamState, b: BeamRules, t) -> Hyps:
     """transformers' _update_finished_beams: the candidates [B, C] that end among the first num_beams enter the
-    finished hypotheses, scored vals / (t + 1) ** length_penalty, unless the prompt's hypotheses are all done
-    (early_stopping True) or can no longer improve; the best W stay (placeholders at -1e9, rows past num_beams -inf)."""
+    finished hypotheses, scored vals / (t + 1) ** length_penalty; the best W stay (placeholders at -1e9, rows
+    past num_beams -inf). A prompt whose search has ended keeps its hypotheses. (transformers also adds -1e9
+    when they are all done under early_stopping=True, or can no longer improve: then a prompt of its own has
+    ended its loop, as a prompt here has ended its search, so those terms never decide anything.)"""
     W, C = fin.score.shape[1], vals.shape[1]
     slot = jnp.arange(W) < b.beams[:, None]
     did = ends & (jnp.arange(C) < b.beams[:, None])
-    full = jnp.all(fin.finished | ~slot, axis=1, keepdims=True) & b.early[:, None]
     s = vals / b.norm[:, t + 1][:, None]  # the same float32 division torch does
-    s = s + full.astype(jnp.float32) * NEG
-    s = s + (~state.open[:, None]).astype(jnp.float32) * NEG
     s = s + (~did).astype(jnp.float32) * NEG
     merged = jax.tree.map(lambda a, c: jnp.concatenate([a, c], axis=1), fin, cand._replace(score=s, finished=did))
     _, best = jax.lax.top_k(merged.score, W)
@@ -214,16 +217,17 @@ def step(params: Params, state: BeamState, rules: Rules, b: BeamRules, t, config
     V = state.decode.logits.shape[-1]
     logp, x = scores(state.decode, rules, b, t, config, W)
     acc = (x.reshape(B, W, V) + state.run.score[:, :, None]).reshape(B, W * V)
-    vals, idx = candidates(acc, noise(state.decode, b, W), c, b.kept)
+    vals, rank, idx = candidates(acc, noise(state.decode, b, W), c, b.kept, b.sample & (b.beams == 1))
     valid = jnp.arange(c) < b.kept[:, None]
     beam, token = idx // V, idx % V
     ends = (token[:, :, None] == stop_ids(rules)[:, None, :]).any(-1) | (t + 1 >= b.max_new)[:, None]
     cand = extend(state.run, beam, token, jnp.take_along_axis(logp.reshape(B, W * V), idx, axis=1), t)
     # the running beams: the best num_beams candidates that go on
-    going = jnp.where(valid, vals + ends.astype(jnp.float32) * NEG, -jnp.inf)
+    going = jnp.where(valid, rank + ends.astype(jnp.float32) * NEG, -jnp.inf)
     _, pick = jax.lax.top_k(going, W)
     slot = jnp.arange(W) < b.beams[:, None]
-    run = _select(cand, pick)._replace(score=jnp.where(slot, _take(going, pick), -jnp.inf))
+    score = _take(vals + ends.astype(jnp.float32) * NEG, pick)  # = going but for a plain prompt's draw order
+    run = _select(cand, pick)._replace(score=jnp.where(slot, score, -jnp.inf))
     fin = finish(state.fin, cand, vals, ends, state, b, t)
     is_open = jnp.where(state.done, state.open, still_open(state, run, fin, b, t))
     all_done = jnp.all(fin.finished | ~slot, axis=1)
