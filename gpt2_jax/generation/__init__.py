@@ -3,7 +3,9 @@
 batching.py     ragged prompts + one SamplingParams per row -> padded arrays, keys and rules (prepare)
 decode.py       prefill, draw, feed, decode_step, the jitted decode loop (gpt-fast's shape)
 generator.py    generate and generate_stream, the public entry points
-beam.py         beam_search (and beam sampling): transformers' beam search, its loop in beam_loop.py
+beam.py         beam_search (and beam sampling): transformers' beam search, checked settings in, hypotheses out
+beam_loop.py    its one jitted program: prefill, then a lax.while_loop of beam steps over the KV cache
+beam_hyps.py    its bookkeeping in transformers' arithmetic: candidates, running beams, finished hypotheses
 completion.py   complete: text in, text out, cut as OpenAI does
 stop_strings.py stop strings, matched on the host
 speculative/    speculative decoding that keeps plain decoding's tokens

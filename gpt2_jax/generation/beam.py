@@ -1,9 +1,10 @@
-"""beam_search: transformers' beam search (and beam sampling) in one jitted loop, prompts and settings in, hypotheses out.
+"""beam_search: transformers' beam search (and beam sampling) in one jitted loop; prompts in, hypotheses out.
 
-`beam_search` checks the prompts and settings on the host, prefills the prompts (`prefill`, as generate
-does), and runs gpt2_jax.generation.beam_loop.search: every step of every prompt in one lax.while_loop over
-the fixed-size KV cache. Greedy beam search equals transformers' generate(num_beams=..., do_sample=False,
-length_penalty=..., early_stopping=..., num_return_sequences=...) token for token, with its sequences_scores.
+`beam_search` checks the prompts and settings on the host and runs gpt2_jax.generation.beam_loop.search: the
+prefill (generate's) and every step of every prompt in one jitted lax.while_loop over the fixed-size KV cache,
+the choices made by gpt2_jax.generation.beam_hyps. Greedy beam search equals transformers'
+generate(num_beams=..., do_sample=False, length_penalty=..., early_stopping=..., num_return_sequences=...)
+token for token, with its sequences_scores.
 
 The beam settings are beam_search's own arguments, not SamplingParams fields: they describe a search over
 many cache rows per prompt and change the result's shape (R hypotheses per prompt), which generate, the
@@ -22,7 +23,8 @@ import numpy as np
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import ConfigError
 from gpt2_jax.generation.batching import as_prompts, prepare
-from gpt2_jax.generation.beam_loop import BeamRules, search
+from gpt2_jax.generation.beam_hyps import BeamRules
+from gpt2_jax.generation.beam_loop import search
 from gpt2_jax.model.params import Params
 from gpt2_jax.sampling.params import MAX_STOP_IDS, SamplingParams, sampling_rows
 
