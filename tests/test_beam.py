@@ -329,3 +329,5 @@ def test_cli_num_beams_prints_the_libraries_hypotheses(bundled, capsys):
     assert "--length-penalty needs --num-beams" in capsys.readouterr().err
     assert main([*argv, "--num-beams", "2", "--stream"]) == 2
     assert "--num-beams does not take --stream" in capsys.readouterr().err
+    assert main([*argv, "--num-beams", "1000000"]) == 2  # beam_search's check, not a cache sized for 2**20 rows
+    assert "num_beams must be an int in [1, 64], got 1000000" in capsys.readouterr().err

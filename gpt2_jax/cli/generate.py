@@ -205,7 +205,8 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.stream and args.top_logprobs:
         raise GPT2JaxError("--top-logprobs prints a table after the text; use it without --stream")
     kw["sampling"] = sampling_params(args)
-    rows = args.num_samples if args.num_beams is None else 1 << (args.num_beams - 1).bit_length()  # beams: a bucket
+    # beams: a power-of-two bucket of rows (a num_beams out of range is beam_search's ConfigError, not a huge cache)
+    rows = args.num_samples if args.num_beams is None else 1 << (min(max(args.num_beams, 1), 64) - 1).bit_length()
     cache = cache_bytes(config, rows, cache_capacity(len(ids), args.max_new_tokens, config), params["wte"].dtype)
     out = out if is_main() else io.StringIO()  # every process computes; process 0 prints
     key = jax.random.key(args.seed)
