@@ -20,7 +20,7 @@ from gpt2_jax.checkpoints import BUNDLED_MODEL, convert, load
 from gpt2_jax.compiling import CompileTimer
 from gpt2_jax.config import PRESETS, GPT2Config
 from gpt2_jax.errors import CheckpointError, ConfigError, GPT2JaxError, InputError
-from gpt2_jax.generation import Completion, GenerateResult, complete, generate, generate_stream
+from gpt2_jax.generation import BeamResult, Completion, GenerateResult, beam_search, complete, generate, generate_stream
 from gpt2_jax.interp import run_with_cache, run_with_hooks
 from gpt2_jax.model import cast_params, forward, init_params, precision, stack_layers, unstack_layers
 from gpt2_jax.parallel import distributed, sharding
@@ -41,8 +41,8 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "BUNDLED_MODEL", "PRESETS", "CheckpointError", "CompileTimer", "Completion", "ConfigError", "GPT2Config",
-    "GPT2JaxError", "GenerateResult", "Hyper", "InputError", "SamplingParams", "cast_params", "complete", "constraints", "convert",
+    "BUNDLED_MODEL", "PRESETS", "BeamResult", "CheckpointError", "CompileTimer", "Completion", "ConfigError", "GPT2Config",
+    "GPT2JaxError", "GenerateResult", "Hyper", "InputError", "SamplingParams", "beam_search", "cast_params", "complete", "constraints", "convert",
     "distributed", "eval_loss", "forward", "generate", "generate_stream", "init_params", "init_state", "inspect",
     "interp", "kernels", "load", "loss_fn", "make_optimizer", "make_train_step", "precision", "rl", "run_with_cache",
     "run_with_hooks", "sampling", "sharding", "stack_layers", "tokenizer", "unstack_layers",

@@ -15,7 +15,8 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.i
 # image/png outputs each must show: one per plotting cell (a backend switched off draws none).
 FIGURES = {"01_architecture": 1, "02_mlp_and_gelu": 2, "03_attention_and_kv_cache": 4, "04_sampling": 2,
            "05_convert_and_generate": 1, "06_training": 1, "07_logits_processors": 7,
-           "08_determinism": 3, "09_inside_gpt2": 6, "10_speculative_decoding": 1, "11_rl": 2, "12_flax_nnx": 2}  # fmt: skip
+           "08_determinism": 3, "09_inside_gpt2": 6, "10_speculative_decoding": 1, "11_rl": 2, "12_flax_nnx": 2,
+           "13_beam_search": 3}  # fmt: skip
 
 
 def test_there_are_notebooks():

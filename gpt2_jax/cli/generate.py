@@ -127,6 +127,53 @@ def _draft_option(args: argparse.Namespace, mesh) -> dict:
     return dict(draft=draft, num_speculative_tokens=args.speculate)
 
 
+def _check_beam_flags(args: argparse.Namespace) -> None:
+    """The flags beam search cannot take with --num-beams, and the beam flags that need it."""
+    if args.num_beams is None:
+        beam_only = [f for f, on in (("--num-return-sequences", args.num_return_sequences != 1),
+                                     ("--length-penalty", args.length_penalty != 1.0),
+                                     ("--early-stopping", args.early_stopping != "false"),
+                                     ("--do-sample", args.do_sample)) if on]  # fmt: skip
+        if beam_only:
+            raise GPT2JaxError(f"{', '.join(beam_only)} {'needs' if len(beam_only) == 1 else 'need'} --num-beams")
+        return
+    clash = [f for f, on in (("--stream", args.stream), ("--num-samples", args.num_samples != 1),
+                             ("--stop", bool(args.stop)), ("--top-logprobs", bool(args.top_logprobs)),
+                             ("--draft", args.draft is not None), ("--prompt-lookup", args.prompt_lookup),
+                             ("--mesh", bool(args.mesh))) if on]  # fmt: skip
+    if clash:
+        raise GPT2JaxError(f"--num-beams does not take {', '.join(clash)} (use --num-return-sequences for more texts)")
+
+
+def _run_beams(args: argparse.Namespace, params, config, prompt: str, ids: list[int], out, key) -> int:
+    """gpt2-jax generate --num-beams: print the --num-return-sequences best hypotheses, best first; returns
+    the tokens printed."""
+    from gpt2_jax import beam_search
+
+    early = {"false": False, "true": True, "never": "never"}[args.early_stopping]
+    result = beam_search(params, config, [ids], key, num_beams=args.num_beams,
+                         num_return_sequences=args.num_return_sequences, length_penalty=args.length_penalty,
+                         early_stopping=early, do_sample=args.do_sample, sampling=sampling_params(args))  # fmt: skip
+    enc, n = _encoding(), 0
+    for r in range(args.num_return_sequences):
+        m = int(result.lengths[0, r])
+        tokens = result.tokens[0, r, :m].tolist()
+        n += m
+        if tokens and tokens[-1] == config.eos_id:
+            tokens = tokens[:-1]  # the text ends at EOS, as complete() cuts it
+        if args.num_return_sequences > 1:
+            print(f"--- beam {r + 1}: score {result.scores[0, r]:.4f}, {m} tokens, {result.finish_reason[0][r]} ---",
+                  file=out)  # fmt: skip
+        print(prompt + enc.decode(tokens), file=out)
+    return n
+
+
+def _encoding():
+    from gpt2_jax.tokenizer import tokenizer
+
+    return tokenizer()
+
+
 def run_generate(args: argparse.Namespace) -> int:
     from gpt2_jax import CompileTimer, complete, generate_stream
     from gpt2_jax.generation import cache_capacity
@@ -138,6 +185,7 @@ def run_generate(args: argparse.Namespace) -> int:
         raise GPT2JaxError(f"--num-samples must be >= 1, got {args.num_samples}")
     if args.stream and args.num_samples != 1:
         raise GPT2JaxError("--stream prints one sample; use --num-samples 1")
+    _check_beam_flags(args)
     joined = cli_train.join(args)
     out = _own_stdout() if joined else sys.stdout  # before the first collective, which prints from C++
     args.seed_drawn = args.seed is None
@@ -157,13 +205,16 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.stream and args.top_logprobs:
         raise GPT2JaxError("--top-logprobs prints a table after the text; use it without --stream")
     kw["sampling"] = sampling_params(args)
-    cache = cache_bytes(config, args.num_samples, cache_capacity(len(ids), args.max_new_tokens, config),
-                        params["wte"].dtype)  # fmt: skip
+    # beams: a power-of-two bucket of rows (a num_beams out of range is beam_search's ConfigError, not a huge cache)
+    rows = args.num_samples if args.num_beams is None else 1 << (min(max(args.num_beams, 1), 64) - 1).bit_length()
+    cache = cache_bytes(config, rows, cache_capacity(len(ids), args.max_new_tokens, config), params["wte"].dtype)
     out = out if is_main() else io.StringIO()  # every process computes; process 0 prints
     key = jax.random.key(args.seed)
     with CompileTimer() as compiling:
         t0 = time.perf_counter()
-        if args.stream:
+        if args.num_beams is not None:
+            n = _run_beams(args, params, config, prompt, ids, out, key)
+        elif args.stream:
             text, n = TextStream(enc, out, args.stop or ()), 0
             out.write(prompt)
             for tokens, live in generate_stream(params, config, prompts, key, **kw):

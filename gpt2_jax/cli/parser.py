@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0, help="0 = off")
     gen.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
     _processor_args(gen)
+    _beam_args(gen)
     gen.add_argument(
         "--seed", type=int, default=None, help="sampling seed (default: a random one, printed in the summary line)"
     )
@@ -102,6 +103,20 @@ def _processor_args(gen: argparse.ArgumentParser) -> None:
         metavar="N",
         help="after the text, list each token's N most likely alternatives (N <= 20)",
     )
+
+
+def _beam_args(gen: argparse.ArgumentParser) -> None:
+    """Beam search (see gpt2_jax.beam_search): --num-beams turns it on."""
+    gen.add_argument("--num-beams", type=int, default=None, metavar="N",
+                     help="beam search with N beams (transformers' num_beams; 1 = greedy); off by default")  # fmt: skip
+    gen.add_argument("--num-return-sequences", type=int, default=1, metavar="K",
+                     help="with --num-beams: print the K best hypotheses (K <= N)")  # fmt: skip
+    gen.add_argument("--length-penalty", type=float, default=1.0, metavar="X",
+                     help="with --num-beams: a hypothesis scores sum(logprobs) / length ** X (> 0 favours longer)")  # fmt: skip
+    gen.add_argument("--early-stopping", choices=["false", "true", "never"], default="false",
+                     help="with --num-beams: when a prompt's search ends (transformers' early_stopping)")  # fmt: skip
+    gen.add_argument("--do-sample", action="store_true",
+                     help="with --num-beams: beam sampling (--temperature, --top-k, --top-p, --min-p and --seed apply)")  # fmt: skip
 
 
 def _cache_arg(p: argparse.ArgumentParser) -> None:

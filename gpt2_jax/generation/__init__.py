@@ -4,6 +4,9 @@ batching.py     ragged prompts + one SamplingParams per row -> padded arrays, ke
 decode.py       prefill, draw, feed, decode_step, the jitted decode loop (gpt-fast's shape)
 paged.py        the same over a paged KV cache, prompts in chunks: the serving engine's state
 generator.py    generate and generate_stream, the public entry points
+beam.py         beam_search (and beam sampling): transformers' beam search, checked settings in, hypotheses out
+beam_loop.py    its one jitted program: prefill, then a lax.while_loop of beam steps over the KV cache
+beam_hyps.py    its bookkeeping in transformers' arithmetic: candidates, running beams, finished hypotheses
 completion.py   complete: text in, text out, cut as OpenAI does
 stop_strings.py stop strings, matched on the host
 scoring.py      prompt_logprobs, sequence_logprobs: given tokens scored as generate reports them
@@ -11,6 +14,7 @@ speculative/    speculative decoding that keeps plain decoding's tokens
 """
 
 from gpt2_jax.generation.batching import Prepared, bucket, cache_capacity, prepare
+from gpt2_jax.generation.beam import BeamResult, BeamSteps, beam_search
 from gpt2_jax.generation.completion import Completion, complete
 from gpt2_jax.generation.decode import TOP_LOGPROBS, DecodeState, Rules, Step, StopRule, decode_step, halt, prefill
 from gpt2_jax.generation.generator import GenerateResult, encoding, generate, generate_stream, start, token_bytes
@@ -20,6 +24,8 @@ from gpt2_jax.generation.stop_strings import StopMatcher
 
 __all__ = [
     "TOP_LOGPROBS",
+    "BeamResult",
+    "BeamSteps",
     "Completion",
     "DecodeState",
     "GenerateResult",
@@ -29,6 +35,7 @@ __all__ = [
     "Step",
     "StopMatcher",
     "StopRule",
+    "beam_search",
     "bucket",
     "cache_capacity",
     "complete",
