@@ -200,6 +200,66 @@ def test_n_choices_and_several_prompts_are_the_rows_of_generate(server, model):
         assert_matches(got[i], expected(model, prompts[i // 2], 9, i, 8, temperature=0.7), enc, top=1)
 
 
+def test_best_of_returns_the_n_candidates_with_the_highest_mean_logprob(server, model):
+    """best_of=5, n=2: the server samples candidates 0..4 (rows of generate, as n=5 would) and returns the two with
+    the highest mean logprob per token, best first, bit for bit; usage counts every candidate."""
+    enc, client = model[2], server.client()
+    ids, seed, settings = enc.encode("KING RICHARD:"), 4, dict(temperature=1.3)
+    resp = client.completions.create(model=MODEL, prompt="KING RICHARD:", n=2, best_of=5, max_tokens=10, seed=seed,
+                                     logprobs=0, **settings)  # fmt: skip
+    candidates = [expected(model, ids, seed, i, 10, **settings) for i in range(5)]
+    mean = [sum(float(x) for x in c.logprobs) / len(c.tokens) for c in candidates]  # a plain loop, in float64
+    best = sorted(range(5), key=lambda i: (-mean[i], i))[:2]
+    assert best != [0, 1], "pick a seed whose best candidates are not the first two rows: the test shows nothing"
+    got = plain(resp)
+    assert sorted(got) == [0, 1]
+    for rank, i in enumerate(best):
+        assert_matches(got[rank], candidates[i], enc)
+    assert resp.usage.completion_tokens == sum(len(c.tokens) for c in candidates)
+    alone = plain(client.completions.create(model=MODEL, prompt="KING RICHARD:", n=2, max_tokens=10, seed=seed,
+                                            logprobs=0, **settings))  # fmt: skip
+    assert_matches(alone[0], candidates[0], enc)  # without best_of: the first two rows
+    assert_matches(alone[1], candidates[1], enc)
+    for body, param in (({"n": 3, "best_of": 2}, "best_of"), ({"n": 1, "best_of": 2, "stream": True}, "stream"),
+                        ({"length_penalty": 0.5}, "length_penalty")):  # fmt: skip
+        status, err = server.post("/v1/completions", json.dumps({"model": MODEL, "prompt": "A", **body}).encode())
+        assert status == 400 and err["error"]["param"] == param, (body, err)
+
+
+def test_use_beam_search_equals_transformers_beam_search(server, model, tmp_path_factory):
+    """use_beam_search with best_of=4 beams, n=2, length_penalty and early_stopping: the two best hypotheses of
+    transformers' generate(num_beams=4, ...) on the same weights, token for token, best first; their logprobs are
+    the ones generate would report for those tokens (sequence_logprobs), bit for bit."""
+    import torch
+    import transformers
+
+    from gpt2_jax import convert
+    from gpt2_jax.generation import sequence_logprobs
+
+    params, config, enc = model
+    hf_path = convert(BUNDLED_MODEL, tmp_path_factory.mktemp("hf") / "m", dtype="float32", to_hf=True)
+    hf = transformers.GPT2LMHeadModel.from_pretrained(hf_path, torch_dtype=torch.float32).eval()
+    ids = enc.encode("MENENIUS:\nWhat work")
+    resp = server.client().completions.create(model=MODEL, prompt="MENENIUS:\nWhat work", n=2, best_of=4,
+                                              max_tokens=12, logprobs=0, extra_body={"use_beam_search": True,
+                                              "length_penalty": 0.5, "early_stopping": True})  # fmt: skip
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([ids]), num_beams=4, num_return_sequences=2, max_new_tokens=12,
+                           length_penalty=0.5, early_stopping=True, do_sample=False,
+                           pad_token_id=config.eos_id)[:, len(ids):].tolist()  # fmt: skip
+    got = plain(resp)
+    assert sorted(got) == [0, 1]
+    greedy = expected(model, ids, 0, 0, 12, temperature=0.0)
+    for r in range(2):
+        tokens = want[r][: want[r].index(config.eos_id) + 1] if config.eos_id in want[r] else want[r]
+        lp = got[r]["logprobs"]
+        assert lp["tokens"] == [enc.decode([t]) for t in tokens]
+        assert got[r]["text"] == enc.decode([t for t in tokens if t != config.eos_id])
+        assert bits(lp["token_logprobs"]) == bits(np.asarray(sequence_logprobs(params, config, [ids], [tokens]))[0])
+    assert got[0]["text"] != greedy.text  # the search found what greedy decoding does not
+    assert resp.usage.completion_tokens == sum(len(got[r]["logprobs"]["tokens"]) for r in range(2))
+
+
 def test_stop_strings_cut_the_text(server, model):
     enc = model[2]
     client = server.client()

@@ -56,7 +56,9 @@ class Completions:
                 job.echo = await loop.run_in_executor(
                     None, lambda: [prompt_logprobs(engine.params, config, p, plan.top_n) for p in plan.prompts]
                 )
-            if plan.max_tokens > 0:
+            if plan.beam:
+                await loop.run_in_executor(None, job.beam_search, engine)
+            elif plan.max_tokens > 0:
                 await loop.run_in_executor(None, job.submit, engine)
             else:  # echo-only scoring: nothing to generate
                 for c in job.choices:
@@ -107,6 +109,7 @@ class Completions:
             err = from_gpt2_jax(job.error)
             self._finished(job, t0, err.status, f" error={err.message}")
             return err.response(headers)
+        job.select()
         choices = []
         for c in job.choices:
             text = c.final_text()

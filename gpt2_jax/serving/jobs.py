@@ -13,12 +13,15 @@ import codecs
 import math
 import re
 import secrets
+import threading
 import time
 from typing import Any
 
+import jax
 from fastapi.responses import StreamingResponse
 
 from gpt2_jax.errors import GPT2JaxError
+from gpt2_jax.generation import beam_search
 from gpt2_jax.generation import prompt_logprobs as score_prompts
 from gpt2_jax.sampling import SamplingParams, constraints
 from gpt2_jax.serving.engine import Cancelled, Engine, Request
@@ -28,6 +31,7 @@ from gpt2_jax.serving.schema import ApiError, CompletionRequest
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_LOGPROBS = 20
+BEAM_LOCK = threading.Lock()  # one beam search at a time: each holds num_beams x prompts rows of KV cache
 SEED_LIMIT = 2**32  # JAX (without x64) keys on a seed's low 32 bits: larger seeds would collide
 
 
@@ -129,8 +133,16 @@ class Plan:
         self.n = 1 if req.n is None else req.n
         if self.n < 1:
             raise ApiError(400, f"n must be >= 1, got {self.n}", param="n")
-        if req.best_of is not None and req.best_of != self.n:
-            raise ApiError(400, "best_of is not supported (only best_of = n)", param="best_of")
+        self.best_of = self.n if req.best_of is None else req.best_of  # candidates per prompt; the n best returned
+        if self.best_of < self.n:
+            raise ApiError(400, f"best_of={self.best_of} must be >= n={self.n}", param="best_of")
+        self.beam = bool(req.use_beam_search)
+        if (self.best_of > self.n or self.beam) and req.stream:
+            what = "use_beam_search" if self.beam else f"best_of={self.best_of} > n"
+            raise ApiError(400, f"{what} cannot be streamed: the best are known only at the end", param="stream")
+        if not self.beam and (req.length_penalty is not None or req.early_stopping is not None):
+            name = "length_penalty" if req.length_penalty is not None else "early_stopping"
+            raise ApiError(400, f"{name} is a beam-search setting: give use_beam_search: true", param=name)
         if req.suffix is not None:
             raise ApiError(400, "suffix is not supported", param="suffix")
         self.max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
@@ -146,9 +158,9 @@ class Plan:
             raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
         self.prompts, self.texts = self._prompts(req.prompt, enc, config)
-        rows = len(self.prompts) * self.n
+        rows = len(self.prompts) * self.best_of
         if rows > engine.max_batch + engine.max_queue:
-            raise ApiError(400, f"{len(self.prompts)} prompt(s) x n={self.n} = {rows} completions exceed this "
+            raise ApiError(400, f"{len(self.prompts)} prompt(s) x best_of={self.best_of} = {rows} completions exceed this "
                                 f"server's capacity of {engine.max_batch + engine.max_queue} "
                                 f"(max_batch + max_queue)", param="n")  # fmt: skip
         for p, ids in enumerate(self.prompts):
@@ -161,6 +173,24 @@ class Plan:
             raise ApiError(400, f"min_tokens={req.min_tokens} must be <= max_tokens={self.max_tokens}",
                            param="min_tokens")  # fmt: skip
         self.stops = list(self.sampling.stop)
+        if self.beam:
+            self._beam_settings(req)
+
+    def _beam_settings(self, req: CompletionRequest) -> None:
+        """use_beam_search: gpt2_jax.beam_search with best_of beams (greedy at temperature 0 or unset, beam sampling
+        above), the n best hypotheses returned best first."""
+        if self.stops:
+            raise ApiError(400, "stop strings are not supported with use_beam_search (stop token ids are)",
+                           param="stop")  # fmt: skip
+        if self.top_n:
+            raise ApiError(400, "use_beam_search reports the chosen tokens' logprobs only: logprobs must be 0",
+                           param="logprobs")  # fmt: skip
+        if self.max_tokens == 0:
+            raise ApiError(400, "use_beam_search needs max_tokens >= 1", param="max_tokens")
+        self.beam_settings = {"num_beams": self.best_of, "num_return_sequences": self.n,
+                              "length_penalty": 1.0 if req.length_penalty is None else req.length_penalty,
+                              "early_stopping": False if req.early_stopping is None else req.early_stopping,
+                              "do_sample": bool(req.temperature)}  # fmt: skip
 
     @staticmethod
     def _prompts(prompt: Any, enc: Any, config: Any) -> tuple[list[list[int]], list[str]]:
@@ -195,7 +225,7 @@ class Plan:
         (serving.constraint_worker, a child process) when given, else here."""
         o: dict[str, Any] = {
             "max_new_tokens": max(max_tokens, 1),
-            "logprobs": top_n is not None,
+            "logprobs": True,  # the engine always reports them (best_of ranks by them); shown only when asked
             "top_logprobs": top_n or 0,
         }
         for api, ours in (("temperature", "temperature"), ("top_p", "top_p"), ("min_p", "min_p"),
@@ -240,8 +270,9 @@ class Job:
         self.first_token: float | None = None
         self.queue: asyncio.Queue = asyncio.Queue()
         self.loop = asyncio.get_running_loop()
-        self.choices = [Choice(p * plan.n + j, p, enc, plan.stops, eos)
-                        for p in range(len(plan.prompts)) for j in range(plan.n)]  # fmt: skip
+        k = plan.n if plan.beam else plan.best_of  # rows per prompt: best_of candidates (beam search returns n)
+        self.choices = [Choice(p * k + j, p, enc, plan.stops, eos) for p in range(len(plan.prompts)) for j in range(k)]
+        self.candidates = self.choices  # every candidate row (usage counts them all); choices: the ones returned
         self.echo: list[tuple[list, list]] = []  # per prompt: its logprobs and top alternatives
         self.error: BaseException | None = None
 
@@ -271,6 +302,21 @@ class Job:
         except BaseException:
             self.cancel()
             raise
+
+    def beam_search(self, engine: Engine) -> None:
+        """use_beam_search (a worker thread): gpt2_jax.beam_search over every prompt, one search at a time (its own
+        KV cache, outside the engine's rows, whose streams keep running), its hypotheses as the choices."""
+        plan = self.plan
+        with BEAM_LOCK:
+            out = beam_search(engine.params, engine.config, plan.prompts, jax.random.key(plan.seed),
+                              sampling=plan.sampling, **plan.beam_settings)  # fmt: skip
+        for c in self.choices:
+            p, r = divmod(c.index, plan.n)
+            for t in range(int(out.lengths[p, r])):
+                c.add(int(out.tokens[p, r, t]), float(out.logprobs[p, r, t]), [], [])
+            c.finish = out.finish_reason[p][r]
+        if self.first_token is None:
+            self.first_token = time.perf_counter()
 
     def cancel(self) -> None:
         for c in self.choices:
@@ -312,9 +358,24 @@ class Job:
                 offset += len(self.plan.texts[c.prompt_index])
         return _logprobs_object(c.enc, tokens, lps, tops, offset)
 
+    def select(self) -> None:
+        """best_of > n: keep each prompt's n candidates with the highest mean logprob per token (OpenAI's "highest
+        log probability per token"; ties: the lower row), renumbered p * n + rank."""
+        plan = self.plan
+        if plan.beam or plan.best_of == plan.n:
+            return
+        chosen = []
+        for p in range(len(plan.prompts)):
+            group = self.candidates[p * plan.best_of : (p + 1) * plan.best_of]
+            best = sorted(group, key=lambda c: (-sum(c.logprobs) / max(len(c.tokens), 1), c.index))[: plan.n]
+            for rank, c in enumerate(best):
+                c.index = p * plan.n + rank
+            chosen += best
+        self.choices = chosen
+
     def usage(self) -> dict:
         prompt = sum(len(p) for p in self.plan.prompts)
-        done = sum(len(c.tokens) for c in self.choices)
+        done = sum(len(c.tokens) for c in self.candidates)
         return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
 

@@ -73,6 +73,7 @@ def _completion_schema(model_name: str, max_seq: int, vocab: int) -> dict:
     _bound(props["max_tokens"], {"minimum": 0, "maximum": max_seq})
     _bound(props["top_k"], {"minimum": -1})
     _bound(props["n"], {"minimum": 1})
+    _bound(props["best_of"], {"minimum": 1})
     _bound(props["seed"], {"minimum": 0, "maximum": 2**32 - 1})
     ids = {"type": "integer", "minimum": 0, "maximum": vocab - 1}
     for alt in props["prompt"]["anyOf"]:  # token ids in the vocabulary; lists never empty

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, BeforeValidator, ConfigDict
@@ -56,6 +56,9 @@ class CompletionRequest(BaseModel):
     regex: str | None = None
     choice: list[str] | None = None
     json_schema: dict[str, Any] | None = None
+    use_beam_search: bool | None = None  # vLLM's (legacy) beam search: best_of beams, the n best returned
+    length_penalty: float | None = None
+    early_stopping: bool | Literal["never"] | None = None
 
 
 class TokenizeRequest(BaseModel):
