@@ -144,6 +144,27 @@ def test_after_stop_requests_are_refused(model):
         engine.submit(request(enc.encode("A"), 4, 1, {})[0])
 
 
+def test_a_stopped_engine_is_freed_with_its_threads(model):
+    """A long-lived process that makes engines (a test suite, a notebook, a bench) must get their memory back: once
+    stopped and dropped, an engine, its compiled programs and its threads are gone."""
+    import gc
+    import threading
+    import weakref
+
+    params, config, enc = model
+    before = {t.ident for t in threading.enumerate()}
+    engine = Engine(params, config, max_batch=2, max_queue=2, max_seq=64).start()
+    engine.programs.wait([k for k in engine.essential() if not engine.want(k, 0.0)])
+    alive = weakref.ref(engine)
+    assert {t.name for t in threading.enumerate() if t.ident not in before} >= {"gpt2-jax-engine", "gpt2-jax-compiler"}
+    engine.stop()
+    engine.programs.thread.join(timeout=60)
+    del engine
+    gc.collect()
+    assert alive() is None
+    assert {t.ident for t in threading.enumerate()} <= before
+
+
 def test_no_request_stalls_the_others_while_its_programs_or_its_constraint_compile(model):
     """A request whose prompt bucket is not compiled yet waits while the compiler thread builds its prefill; a
     request with a JSON-schema constraint (seconds of outlines-core) waits while the constraint compiler's

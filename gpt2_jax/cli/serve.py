@@ -114,11 +114,13 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from gpt2_jax.model import KEY_BLOCK, pool_bytes
     from gpt2_jax.parallel import parse_mesh
-    from gpt2_jax.serving import ConstraintCompiler, Engine, warm_up
+    from gpt2_jax.serving import ConstraintCompiler, Engine, limit_malloc_arenas, warm_up
     from gpt2_jax.tokenizer import tokenizer
 
     def say(line: str) -> None:
         print(f"gpt2-jax serve: {line}", file=sys.stderr, flush=True)
+
+    limit_malloc_arenas()  # before the threads start: a long-lived process's RSS tracks what it holds
 
     def interrupt(*_):
         raise KeyboardInterrupt

@@ -1,8 +1,12 @@
 """Serving: the continuous-batching engine and its OpenAI-compatible HTTP API.
 
-  engine.py             continuous batching over slots; rows.py: a request, a slot, their fixed-shape rows
-  programs.py           the engine's programs, compiled ahead of time off the engine thread
+  engine.py             continuous batching over rows of a paged KV cache: admit, prefill by chunks, decode, finish,
+                        drain; state.py: the rows' device state; rows.py: a request, a slot, their fixed-shape rows
+  blocks.py             the KV block pool: block tables, prefix caching by chained block names, LRU eviction
+  engine_programs.py    which programs the engine runs (prefill chunk, decode over 2/8/32/... rows, row start/stop)
+  programs.py           those programs, compiled ahead of time off the engine thread
   constraint_worker.py  constraints compiled in a child process, with a time limit
+  memory.py             glibc's heap for a long-lived process: capped arenas, free pages returned when idle
   warmup.py             start-up: the essential programs first, the rest in the background
   api.py                the FastAPI app (schema.py, completions.py, jobs.py, metrics.py, openapi.py, static/)
 
@@ -12,9 +16,20 @@ needs neither.
 
 from gpt2_jax.serving.constraint_worker import ConstraintCompiler
 from gpt2_jax.serving.engine import Cancelled, Engine, QueueFull, Request
+from gpt2_jax.serving.memory import limit_malloc_arenas, release_free_memory
 from gpt2_jax.serving.warmup import warm_up
 
-__all__ = ["Cancelled", "ConstraintCompiler", "Engine", "QueueFull", "Request", "create_app", "warm_up"]
+__all__ = [
+    "Cancelled",
+    "ConstraintCompiler",
+    "Engine",
+    "QueueFull",
+    "Request",
+    "create_app",
+    "limit_malloc_arenas",
+    "release_free_memory",
+    "warm_up",
+]
 
 
 def __getattr__(name: str):

@@ -35,6 +35,7 @@ from gpt2_jax.model import KEY_BLOCK, Params
 from gpt2_jax.sampling import constraints
 from gpt2_jax.serving.blocks import BlockPool
 from gpt2_jax.serving.engine_programs import EnginePrograms
+from gpt2_jax.serving.memory import release_free_memory
 from gpt2_jax.serving.rows import Cancelled, QueueFull, Request, Slot, fixed_processors
 from gpt2_jax.serving.rows import tell as _tell
 from gpt2_jax.serving.state import EngineState
@@ -302,9 +303,11 @@ class Engine(EnginePrograms):
 
     def run(self) -> None:
         """The engine thread: step while there is work, sleep on the condition otherwise."""
+        worked = False
         while self.running:
             try:
                 busy = self.step()
+                worked |= busy
             except Exception as e:  # fail the requests in flight, keep serving
                 with self.lock:
                     failed = [s for s in self.slots if s is not None]
@@ -314,6 +317,9 @@ class Engine(EnginePrograms):
                 self._reset()
                 continue
             if not busy:
+                if worked:  # just went idle: hand the heap's free pages back (serving.memory)
+                    release_free_memory()
+                    worked = False
                 with self.lock:
                     if self.running:
                         self.lock.wait(timeout=0.1)
@@ -343,6 +349,7 @@ class Engine(EnginePrograms):
             self.running, self.stopped = False, True
             self.lock.notify_all()
             thread, self.thread = self.thread, None
+        self.programs.close()  # its compiler thread would otherwise keep this engine and its programs alive
         if thread is None:
             return
         thread.join()  # a step is milliseconds to seconds; the loop checks `running` after each

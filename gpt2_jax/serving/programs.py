@@ -33,14 +33,32 @@ class Programs:
         self.on_built = on_built
         self.current: Any = None
         self.seconds = 0.0
+        self.closed = False
+        self._start()
+
+    def _start(self) -> None:
         self.thread = threading.Thread(target=self._run, name="gpt2-jax-compiler", daemon=True)
         self.thread.start()
+
+    def close(self) -> None:
+        """End the compiler thread once the program being built (if any) is done; queued builds are dropped. Until
+        then the thread holds this object, and with it every compiled program: an engine that is stopped and
+        dropped is freed only after this. A later want() starts a new thread."""
+        with self.cond:
+            self.closed = True
+            for _, _, key, _ in self.heap:
+                self.queued.discard(key)
+            self.heap.clear()
+            self.cond.notify_all()
 
     def want(self, key: Any, build: Callable[[], Any], priority: float = 1.0) -> bool:
         """Queue `build` (which returns the compiled callable) unless key is built or queued; True if built."""
         with self.cond:
             if key in self.built:
                 return True
+            if self.closed:
+                self.closed = False
+                self._start()
             if key not in self.queued and key not in self.failed:
                 self.queued.add(key)
                 heapq.heappush(self.heap, (priority, next(self.order), key, build))
@@ -77,8 +95,10 @@ class Programs:
             pass
         while True:
             with self.cond:
-                while not self.heap:
+                while not self.heap and not self.closed:
                     self.cond.wait()
+                if self.closed:
+                    return
                 _, _, key, build = heapq.heappop(self.heap)
                 self.current = key
             t = time.perf_counter()
