@@ -115,7 +115,10 @@ class Engine(EnginePrograms):
                 raise ConfigError(f"the constraint needs {q} states and {k} token classes; this server allows at "
                                   f"most {self.max_constraint_states} states and {self.constraint_classes} classes "
                                   f"(--max-constraint-states, --constraint-classes)")  # fmt: skip
-        return prep
+        # generate's constraint tables for this one row (G x V: 400 KB even unconstrained) are not the engine's,
+        # whose rows share one fixed set (state.py): kept for the request's lifetime they would leave long-lived
+        # buffers of many sizes all through the heap, which is what made RSS creep (serving/memory.py).
+        return prep._replace(rules=prep.rules._replace(constraint=None))
 
     def _automaton(self, request: Request) -> Any:
         c = request.sampling.constraint
