@@ -151,6 +151,8 @@ def _use_compile_cache(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if argv is None:
+        args.argv = sys.argv[1:]  # the command line itself: serve may start the process again with it
     try:
         if args.command == "convert":
             return cli_convert.run(args)

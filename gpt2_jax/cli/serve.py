@@ -9,6 +9,8 @@ import sys
 from gpt2_jax.cli.generate import load_model
 from gpt2_jax.errors import GPT2JaxError
 
+REEXEC = "GPT2_JAX_SERVE_PRELOADED"  # set when serve started itself again with a preloaded malloc (no second time)
+
 
 def serve_parser(serve: argparse.ArgumentParser, cache_arg) -> None:
     add = serve.add_argument
@@ -69,6 +71,9 @@ def serve_parser(serve: argparse.ArgumentParser, cache_arg) -> None:
     add("--constraint-classes", type=int, default=512, help="the most token classes one constraint may have")
     add("--constraint-timeout", type=float, default=30.0, help="seconds a constraint may take to compile")
     add("--no-playground", action="store_true", help="serve no page at / (the API only)")
+    add("--allocator", choices=["auto", "jemalloc", "glibc"], default="auto",
+        help="the process's malloc: auto runs on jemalloc where it is installed (libjemalloc2), whose RSS stays "
+        "flat over long runs, where glibc's creeps (gpt2_jax/serving/memory.py)")  # fmt: skip
     cache_arg(serve)  # fmt: skip
 
 
@@ -102,6 +107,27 @@ def run_serve(args: argparse.Namespace) -> int:
     import signal
     import socket
     import threading
+
+    from gpt2_jax.serving import JEMALLOC_CONF, active_allocator, serve_allocator
+
+    try:
+        preload, malloc_line = serve_allocator(args.allocator)
+    except FileNotFoundError as e:
+        raise GPT2JaxError(str(e)) from None
+    argv = getattr(args, "argv", None)
+    if preload is not None and argv is not None and os.environ.get(REEXEC) != preload:
+        # Start again on jemalloc: a preload must be there when the process starts. Nothing is open yet.
+        env = {
+            **os.environ,
+            REEXEC: preload,
+            "LD_PRELOAD": " ".join([preload, os.environ.get("LD_PRELOAD", "")]).strip(),
+            "MALLOC_CONF": os.environ.get("MALLOC_CONF", JEMALLOC_CONF),
+        }
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, [sys.executable, "-m", "gpt2_jax", *argv], env)
+    if preload is not None and active_allocator() != "jemalloc":
+        malloc_line = f"malloc: {active_allocator()} (tuned): {preload} could not be preloaded"
     import time
 
     try:
@@ -114,13 +140,14 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from gpt2_jax.model import KEY_BLOCK, pool_bytes
     from gpt2_jax.parallel import parse_mesh
-    from gpt2_jax.serving import ConstraintCompiler, Engine, limit_malloc_arenas, warm_up
+    from gpt2_jax.serving import ConstraintCompiler, Engine, tune_malloc, warm_up
     from gpt2_jax.tokenizer import tokenizer
 
     def say(line: str) -> None:
         print(f"gpt2-jax serve: {line}", file=sys.stderr, flush=True)
 
-    limit_malloc_arenas()  # before the threads start: a long-lived process's RSS tracks what it holds
+    tune_malloc()  # before the threads start: a long-lived process's RSS tracks what it holds
+    say(malloc_line)
 
     def interrupt(*_):
         raise KeyboardInterrupt

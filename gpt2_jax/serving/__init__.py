@@ -6,7 +6,8 @@
   engine_programs.py    which programs the engine runs (prefill chunk, decode over 2/8/32/... rows, row start/stop)
   programs.py           those programs, compiled ahead of time off the engine thread
   constraint_worker.py  constraints compiled in a child process, with a time limit
-  memory.py             glibc's heap for a long-lived process: capped arenas, free pages returned when idle
+  memory.py             the heap of a long-lived process: jemalloc where installed, else glibc's arenas capped and
+                        free pages returned when idle
   warmup.py             start-up: the essential programs first, the rest in the background
   api.py                the FastAPI app (schema.py, completions.py, jobs.py, metrics.py, openapi.py, static/)
 
@@ -16,18 +17,21 @@ needs neither.
 
 from gpt2_jax.serving.constraint_worker import ConstraintCompiler
 from gpt2_jax.serving.engine import Cancelled, Engine, QueueFull, Request
-from gpt2_jax.serving.memory import limit_malloc_arenas, release_free_memory
+from gpt2_jax.serving.memory import JEMALLOC_CONF, active_allocator, release_free_memory, serve_allocator, tune_malloc
 from gpt2_jax.serving.warmup import warm_up
 
 __all__ = [
+    "JEMALLOC_CONF",
     "Cancelled",
     "ConstraintCompiler",
     "Engine",
     "QueueFull",
     "Request",
+    "active_allocator",
     "create_app",
-    "limit_malloc_arenas",
     "release_free_memory",
+    "serve_allocator",
+    "tune_malloc",
     "warm_up",
 ]
 

@@ -1,10 +1,20 @@
-"""The server process's heap: glibc's malloc tuned for a long-lived process that runs XLA programs from many threads.
+"""The server process's heap: a malloc that gives memory back, for a long-lived process running XLA programs.
 
-A server runs for weeks; its RSS should track what it holds. Two things make glibc's RSS creep under load while
-the live memory stays flat (bench/soak.py: the same 85 device arrays and Python objects after every 100 requests):
-each thread that finds the arenas busy gets an arena of its own (up to 8 per core), and memory freed inside an
-arena stays in the process. So `gpt2-jax serve` caps the arenas at start-up and the engine hands free pages back
-when it goes idle. Both are no-ops off glibc.
+A server runs for weeks; its RSS should track what it holds. Under glibc's malloc it does not: over bench/soak.py
+the live memory stays flat (the same 85 device arrays and the same Python heap, by tracemalloc, after every 100
+requests) while RSS climbs about 0.07 MiB per request (x1.2 over 2,000 requests, each then again alone). The
+per-step buffers of XLA and numpy, of ever-different sizes between 64 KiB and 4 MiB, freed among live chunks,
+leave holes in glibc's arenas that no trim returns. Measured on the soak (bench/RESULTS.md, "Soak"):
+
+  glibc, arenas capped at 2, trimmed when idle            x1.197 over 1,000 requests
+  the same with a fixed 64 KiB mmap threshold             x1.021 over 2,000, but each step maps and faults its
+                                                          multi-MiB temporaries afresh: 15-20% slower decode
+  jemalloc, oversize_threshold:0, purged when idle         flat, at glibc's speed (0.9 ms of system time per
+                                                          gpt2-small B=8 step, against glibc's 0.8)
+
+So `gpt2-jax serve` runs on jemalloc where it is installed (Debian/Ubuntu: libjemalloc2): the CLI starts the
+process again with it preloaded (`--allocator`, serve_allocator below). Where it is not, glibc is tuned as far as
+it goes without slowing steps: its arenas capped and free pages handed back when the engine goes idle.
 """
 
 from __future__ import annotations
@@ -14,9 +24,16 @@ import ctypes.util
 import os
 import sys
 import time
+from pathlib import Path
 
 M_ARENA_MAX = -8  # glibc's mallopt parameter
 TRIM_EVERY = 1.0  # seconds: at most one trim per second, however often the engine goes idle
+# jemalloc's own default gives requests over 8 MiB an arena that returns their pages at once, so each step would
+# map and fault its multi-MiB temporaries afresh (2,600 page faults and 6 ms of system time per gpt2-small B=8 step);
+# 0 turns that off (83 faults, 0.9 ms: glibc's speed). A MALLOC_CONF in the environment wins.
+JEMALLOC_CONF = "oversize_threshold:0"
+JEMALLOC_PATHS = ["/usr/lib/x86_64-linux-gnu/libjemalloc.so.2", "/usr/lib/aarch64-linux-gnu/libjemalloc.so.2",
+                  "/usr/lib64/libjemalloc.so.2", "/usr/local/lib/libjemalloc.so.2", "/usr/lib/libjemalloc.so.2"]  # fmt: skip
 
 
 def _libc():
@@ -24,27 +41,88 @@ def _libc():
         return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return libc if hasattr(libc, "malloc_trim") else None  # musl has neither arenas nor malloc_trim
+        return libc if hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None  # musl has neither
     except OSError:
         return None
 
 
 _LIBC = _libc()
 _last_trim = 0.0
+MALLCTL_ARENAS_ALL = 4096  # jemalloc's "every arena" index in mallctl names
 
 
-def limit_malloc_arenas(arenas: int = 2) -> None:
-    """Cap glibc's malloc arenas (MALLOC_ARENA_MAX in the environment wins). Call it early: threads that already
-    have an arena keep it."""
-    if _LIBC is not None and "MALLOC_ARENA_MAX" not in os.environ:
-        _LIBC.mallopt(M_ARENA_MAX, arenas)
+def _mallctl():
+    """jemalloc's mallctl where jemalloc is this process's malloc (preloaded: its symbols come first), else None."""
+    if not sys.platform.startswith("linux") or "libjemalloc" not in _maps():
+        return None
+    return getattr(ctypes.CDLL(None), "mallctl", None)
+
+
+def _maps() -> str:
+    try:
+        return Path("/proc/self/maps").read_text()
+    except OSError:
+        return ""
+
+
+def active_allocator() -> str:
+    """The malloc this process runs on: "jemalloc" (preloaded), "glibc", or "other"."""
+    if "libjemalloc" in _maps():
+        return "jemalloc"
+    return "glibc" if _LIBC is not None else "other"
+
+
+def find_jemalloc() -> str | None:
+    """The path of an installed libjemalloc, or None."""
+    for path in JEMALLOC_PATHS:
+        if os.path.exists(path):
+            return path
+    name = ctypes.util.find_library("jemalloc")
+    return name or None
+
+
+def serve_allocator(choice: str) -> tuple[str | None, str]:
+    """What to do for --allocator {auto, jemalloc, glibc} -> (a library to preload by starting the process again,
+    or None to go on; what to say). "jemalloc" without it installed is an error; "auto" falls back to glibc."""
+    current = active_allocator()
+    if choice == "glibc" or current == "jemalloc" or not sys.platform.startswith("linux"):
+        return None, f"malloc: {current}"
+    lib = find_jemalloc()
+    if lib is None:
+        if choice == "jemalloc":
+            raise FileNotFoundError("--allocator jemalloc: libjemalloc is not installed (Debian/Ubuntu: apt install "
+                                    "libjemalloc2); or run with --allocator glibc")  # fmt: skip
+        return None, ("malloc: glibc (tuned); its RSS creeps over long runs: install libjemalloc2 (apt install "
+                      "libjemalloc2) and gpt2-jax serve runs on it")  # fmt: skip
+    return lib, f"malloc: jemalloc ({lib})"
+
+
+def tune_malloc(arenas: int = 2) -> bool:
+    """Cap glibc's malloc arenas (MALLOC_ARENA_MAX in the environment wins) -> whether glibc took it. Call it early:
+    threads that already have an arena keep it. Each thread that finds the arenas busy otherwise gets one of its
+    own (up to 8 per core), and RSS grows with them."""
+    if _LIBC is None or active_allocator() != "glibc":
+        return False
+    if "MALLOC_ARENA_MAX" in os.environ:
+        return True
+    return _LIBC.mallopt(M_ARENA_MAX, arenas) == 1
 
 
 def release_free_memory() -> None:
-    """Return the heap's free pages to the system (glibc's malloc_trim), at most once per TRIM_EVERY seconds; the
-    engine calls it when it goes idle, where the milliseconds it takes delay no token."""
-    global _last_trim
+    """Return the heap's free pages to the system, at most once per TRIM_EVERY seconds: jemalloc purges every
+    arena's unused dirty pages (which it would otherwise return over its 10 s decay), glibc trims (malloc_trim).
+    The engine calls it when it goes idle, where the milliseconds it takes delay no token."""
+    global _last_trim, _MALLCTL
     now = time.monotonic()
-    if _LIBC is not None and now - _last_trim >= TRIM_EVERY:
-        _last_trim = now
+    if now - _last_trim < TRIM_EVERY:
+        return
+    _last_trim = now
+    if _MALLCTL is None:
+        _MALLCTL = _mallctl() or False
+    if _MALLCTL:
+        _MALLCTL(f"arena.{MALLCTL_ARENAS_ALL}.purge".encode(), None, None, None, ctypes.c_size_t(0))
+    elif _LIBC is not None:
         _LIBC.malloc_trim(0)
+
+
+_MALLCTL = None  # found on first use: jemalloc's mallctl, or False
