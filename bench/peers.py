@@ -171,6 +171,7 @@ def main() -> None:
             for _ in range(args.repeats):
                 for w in live:
                     for n in (NEW + 1, 1):
+                        time.sleep(0.2)  # the last engine's OpenMP threads stop spinning before the next starts
                         reply = w.run(B, n, args.timeout)
                         if reply:
                             best[w, n] = min(best.get((w, n), np.inf), reply["s"])

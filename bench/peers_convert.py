@@ -216,7 +216,8 @@ def engine_openvino(ckpt: Path, work: Path, threads: int, precision: str):
         return np.stack(tokens, 1)
 
     hint = compiled.get_property("INFERENCE_PRECISION_HINT")
-    return gen, f"openvino {ov.__version__}, ONNX with KV cache{note}, inference precision {hint}"
+    hint = hint.get_type_name() if hasattr(hint, "get_type_name") else hint
+    return gen, f"openvino {ov.__version__.split('-')[0]}, ONNX with KV cache{note}, inference precision {hint}"
 
 
 def gguf_model(ckpt: Path, work: Path, q8: bool) -> Path:
