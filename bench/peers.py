@@ -141,6 +141,8 @@ def main() -> None:
     machine = describe(jax, jnp, args.threads)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a killed bench still removes its temp dir
     work = Path(tempfile.mkdtemp(prefix="gpt2_jax_peers_"))
+    # the libraries' dotfiles (OpenVINO's and ONNX Runtime's telemetry ids, compile caches) go there too
+    os.environ.update(HOME=str(work / "home"), XDG_CACHE_HOME=str(work / "home" / ".cache"), HF_HUB_OFFLINE="1")
     workers = []
     try:
         sys.path.insert(0, str(Path(__file__).parent))
