@@ -9,8 +9,8 @@ leave holes in glibc's arenas that no trim returns. Measured on the soak (bench/
   glibc, arenas capped at 2, trimmed when idle            x1.197 over 1,000 requests
   the same with a fixed 64 KiB mmap threshold             x1.021 over 2,000, but each step maps and faults its
                                                           multi-MiB temporaries afresh: 15-20% slower decode
-  jemalloc, oversize_threshold:0, purged when idle         flat, at glibc's speed (0.9 ms of system time per
-                                                          gpt2-small B=8 step, against glibc's 0.8)
+  jemalloc, oversize_threshold:0, purged when idle         x1.026 over 2,000, at glibc's speed (0.9 ms of
+                                                          system time per gpt2-small B=8 step; glibc 0.4-1.4)
 
 So `gpt2-jax serve` runs on jemalloc where it is installed (Debian/Ubuntu: libjemalloc2): the CLI starts the
 process again with it preloaded (`--allocator`, serve_allocator below). Where it is not, glibc is tuned as far as
