@@ -59,6 +59,13 @@ class Chosen(NamedTuple):
     scores: jax.Array  # [B, W] float32: the running beams' cumulative scores (without the -1e9 of ending)
 
 
+def divide(x: jax.Array, d: jax.Array) -> jax.Array:
+    """x / d rounded as one float32 division, d broadcast to x's shape. XLA rewrites x / broadcast(d) as
+    x * broadcast(1 / d), which rounds differently (by 1 ulp, in about 1 element in 10); the barrier keeps the
+    division a division."""
+    return x / jax.lax.optimization_barrier(jnp.broadcast_to(d, x.shape))
+
+
 def take(x: jax.Array, idx: jax.Array) -> jax.Array:
     """x [B, M, ...] at idx [B, J] along axis 1 -> [B, J, ...]."""
     return jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
@@ -113,7 +120,7 @@ def finish(fin: Hyps, cand: Hyps, vals: jax.Array, ends: jax.Array, b: BeamRules
     W, C = fin.score.shape[1], vals.shape[1]
     slot = jnp.arange(W) < b.beams[:, None]
     did = ends & (jnp.arange(C) < b.beams[:, None])
-    s = vals / b.norm[:, t + 1][:, None]  # the same float32 division torch does
+    s = divide(vals, b.norm[:, t + 1][:, None])  # the same float32 division torch does
     s = s + (~did).astype(jnp.float32) * NEG
     merged = jax.tree.map(lambda a, c: jnp.concatenate([a, c], axis=1), fin, cand._replace(score=s, finished=did))
     _, best = jax.lax.top_k(merged.score, W)
