@@ -49,6 +49,6 @@ def test_asking_for_a_missing_jemalloc_is_an_error_naming_the_package(monkeypatc
     monkeypatch.setattr(memory, "find_jemalloc", lambda: None)
     monkeypatch.setattr(memory, "active_allocator", lambda: "glibc")
     with pytest.raises(FileNotFoundError, match="libjemalloc2"):
-        memory.serve_allocator("jemalloc")
-    preload, line = memory.serve_allocator("auto")  # auto falls back to glibc, and says how to get jemalloc
-    assert preload is None and "glibc" in line and "apt install libjemalloc2" in line
+        memory.serve_allocator("jemalloc", {})
+    env, line = memory.serve_allocator("auto", {})  # auto falls back to glibc, and says how to get jemalloc
+    assert env is None and "glibc" in line and "apt install libjemalloc2" in line

@@ -9,8 +9,6 @@ import sys
 from gpt2_jax.cli.generate import load_model
 from gpt2_jax.errors import GPT2JaxError
 
-REEXEC = "GPT2_JAX_SERVE_PRELOADED"  # set when serve started itself again with a preloaded malloc (no second time)
-
 
 def serve_parser(serve: argparse.ArgumentParser, cache_arg) -> None:
     add = serve.add_argument
@@ -108,26 +106,18 @@ def run_serve(args: argparse.Namespace) -> int:
     import socket
     import threading
 
-    from gpt2_jax.serving import JEMALLOC_CONF, active_allocator, serve_allocator
+    from gpt2_jax.serving import serve_allocator
 
     try:
-        preload, malloc_line = serve_allocator(args.allocator)
+        env, malloc_line = serve_allocator(args.allocator, dict(os.environ))
     except FileNotFoundError as e:
         raise GPT2JaxError(str(e)) from None
     argv = getattr(args, "argv", None)
-    if preload is not None and argv is not None and os.environ.get(REEXEC) != preload:
+    if env is not None and argv is not None:
         # Start again on jemalloc: a preload must be there when the process starts. Nothing is open yet.
-        env = {
-            **os.environ,
-            REEXEC: preload,
-            "LD_PRELOAD": " ".join([preload, os.environ.get("LD_PRELOAD", "")]).strip(),
-            "MALLOC_CONF": os.environ.get("MALLOC_CONF", JEMALLOC_CONF),
-        }
         sys.stdout.flush()
         sys.stderr.flush()
         os.execve(sys.executable, [sys.executable, "-m", "gpt2_jax", *argv], env)
-    if preload is not None and active_allocator() != "jemalloc":
-        malloc_line = f"malloc: {active_allocator()} (tuned): {preload} could not be preloaded"
     import time
 
     try:

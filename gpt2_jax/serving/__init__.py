@@ -17,11 +17,10 @@ needs neither.
 
 from gpt2_jax.serving.constraint_worker import ConstraintCompiler
 from gpt2_jax.serving.engine import Cancelled, Engine, QueueFull, Request
-from gpt2_jax.serving.memory import JEMALLOC_CONF, active_allocator, release_free_memory, serve_allocator, tune_malloc
+from gpt2_jax.serving.memory import active_allocator, release_free_memory, serve_allocator, tune_malloc
 from gpt2_jax.serving.warmup import warm_up
 
 __all__ = [
-    "JEMALLOC_CONF",
     "Cancelled",
     "ConstraintCompiler",
     "Engine",

@@ -46,18 +46,6 @@ def _libc():
         return None
 
 
-_LIBC = _libc()
-_last_trim = 0.0
-MALLCTL_ARENAS_ALL = 4096  # jemalloc's "every arena" index in mallctl names
-
-
-def _mallctl():
-    """jemalloc's mallctl where jemalloc is this process's malloc (preloaded: its symbols come first), else None."""
-    if not sys.platform.startswith("linux") or "libjemalloc" not in _maps():
-        return None
-    return getattr(ctypes.CDLL(None), "mallctl", None)
-
-
 def _maps() -> str:
     try:
         return Path("/proc/self/maps").read_text()
@@ -65,11 +53,17 @@ def _maps() -> str:
         return ""
 
 
+_LIBC = _libc()
+_JEMALLOC = "libjemalloc" in _maps()  # preloaded at the process's start, or never: read once
+_MALLCTL = getattr(ctypes.CDLL(None), "mallctl", None) if _JEMALLOC else None  # preloaded: its symbols come first
+MALLCTL_ARENAS_ALL = 4096  # jemalloc's "every arena" index in mallctl names
+REEXEC = "GPT2_JAX_SERVE_PRELOADED"  # set when serve started itself again with a preloaded malloc (no second time)
+_last_trim = 0.0
+
+
 def active_allocator() -> str:
     """The malloc this process runs on: "jemalloc" (preloaded), "glibc", or "other"."""
-    if "libjemalloc" in _maps():
-        return "jemalloc"
-    return "glibc" if _LIBC is not None else "other"
+    return "jemalloc" if _JEMALLOC else "glibc" if _LIBC is not None else "other"
 
 
 def find_jemalloc() -> str | None:
@@ -77,13 +71,13 @@ def find_jemalloc() -> str | None:
     for path in JEMALLOC_PATHS:
         if os.path.exists(path):
             return path
-    name = ctypes.util.find_library("jemalloc")
-    return name or None
+    return ctypes.util.find_library("jemalloc") or None
 
 
-def serve_allocator(choice: str) -> tuple[str | None, str]:
-    """What to do for --allocator {auto, jemalloc, glibc} -> (a library to preload by starting the process again,
-    or None to go on; what to say). "jemalloc" without it installed is an error; "auto" falls back to glibc."""
+def serve_allocator(choice: str, environ: dict) -> tuple[dict | None, str]:
+    """What to do for --allocator {auto, jemalloc, glibc} -> (the environment to start the process again in, with
+    jemalloc preloaded, or None to go on as it is; what to say). "jemalloc" without it installed is an error;
+    "auto" falls back to glibc."""
     current = active_allocator()
     if choice == "glibc" or current == "jemalloc" or not sys.platform.startswith("linux"):
         return None, f"malloc: {current}"
@@ -94,7 +88,12 @@ def serve_allocator(choice: str) -> tuple[str | None, str]:
                                     "libjemalloc2); or run with --allocator glibc")  # fmt: skip
         return None, ("malloc: glibc (tuned); its RSS creeps over long runs: install libjemalloc2 (apt install "
                       "libjemalloc2) and gpt2-jax serve runs on it")  # fmt: skip
-    return lib, f"malloc: jemalloc ({lib})"
+    if environ.get(REEXEC) == lib:  # started again with it, and it is still not loaded
+        return None, f"malloc: {current} (tuned): {lib} could not be preloaded"
+    preload = " ".join([lib, environ.get("LD_PRELOAD", "")]).strip()
+    return {**environ, REEXEC: lib, "LD_PRELOAD": preload, "MALLOC_CONF": environ.get("MALLOC_CONF", JEMALLOC_CONF)}, (
+        f"malloc: jemalloc ({lib})"
+    )
 
 
 def tune_malloc(arenas: int = 2) -> bool:
@@ -112,17 +111,12 @@ def release_free_memory() -> None:
     """Return the heap's free pages to the system, at most once per TRIM_EVERY seconds: jemalloc purges every
     arena's unused dirty pages (which it would otherwise return over its 10 s decay), glibc trims (malloc_trim).
     The engine calls it when it goes idle, where the milliseconds it takes delay no token."""
-    global _last_trim, _MALLCTL
+    global _last_trim
     now = time.monotonic()
     if now - _last_trim < TRIM_EVERY:
         return
     _last_trim = now
-    if _MALLCTL is None:
-        _MALLCTL = _mallctl() or False
-    if _MALLCTL:
+    if _MALLCTL is not None:
         _MALLCTL(f"arena.{MALLCTL_ARENAS_ALL}.purge".encode(), None, None, None, ctypes.c_size_t(0))
     elif _LIBC is not None:
         _LIBC.malloc_trim(0)
-
-
-_MALLCTL = None  # found on first use: jemalloc's mallctl, or False
