@@ -20,12 +20,13 @@ import numpy as np
 
 def checkpoint(path: Path) -> None:
     """A random gpt2-small GPT2LMHeadModel (every parameter random) saved with save_pretrained, with tokenizer
-    files built from gpt2_jax's BPE ranks (CTranslate2 and the GGUF need a vocabulary; nothing downloads)."""
+    files built from gpt2_jax's BPE ranks, as `convert --to-hf` writes them (CTranslate2 and the GGUF need a
+    vocabulary; nothing downloads)."""
     import torch
     import transformers
-    from transformers.convert_slow_tokenizer import TikTokenConverter
 
-    from gpt2_jax.tokenizer import BUNDLED_RANKS
+    from gpt2_jax.checkpoints.hf_tokenizer import write_tokenizer
+    from gpt2_jax.tokenizer import tokenizer
 
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config())
@@ -37,9 +38,7 @@ def checkpoint(path: Path) -> None:
                 else 0.1 * torch.randn_like(p)
             )
     model.save_pretrained(path)
-    vocab, merges = TikTokenConverter().extract_vocab_merges_from_model(str(BUNDLED_RANKS))
-    vocab["<|endoftext|>"] = 50256
-    transformers.GPT2TokenizerFast(vocab=vocab, merges=merges).save_pretrained(path)
+    write_tokenizer(Path(path), tokenizer(), model.config.n_positions)
 
 
 class _Step:
