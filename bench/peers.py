@@ -32,10 +32,14 @@ import time
 import traceback
 from pathlib import Path
 
+import numpy as np
+
 PROMPT, NEW = 32, 128
 ROWS = [  # label, engine, precision, bytes per matmul weight, bytes per KV cache element, extra env
     ("gpt2_jax", "gpt2_jax", "fp32", 4.0, 4, {}),
+    ("gpt2_jax", "gpt2_jax", "int8", 1.0, 4, {}),
     ("gpt2_jax, forced avx2 kernels", "gpt2_jax", "fp32", 4.0, 4, {"GPT2_JAX_ROWDOT_ISA": "avx2"}),
+    ("gpt2_jax, forced avx2 kernels", "gpt2_jax", "int8", 1.0, 4, {"GPT2_JAX_ROWDOT_ISA": "avx2"}),
     ("transformers (PyTorch eager)", "transformers", "fp32", 4.0, 4, {}),
     ("ONNX Runtime", "onnxruntime", "fp32", 4.0, 4, {}),
     ("ONNX Runtime", "onnxruntime", "int8", 1.0, 4, {}),
@@ -49,8 +53,6 @@ ROWS = [  # label, engine, precision, bytes per matmul weight, bytes per KV cach
 
 
 def prompts(B: int):
-    import numpy as np
-
     return np.random.default_rng(0).integers(0, 50256, (8, PROMPT))[:B]
 
 
@@ -62,7 +64,7 @@ def worker(engine: str, precision: str, work: Path, threads: int) -> None:
     try:
         from peers_convert import ENGINES
 
-        gen, info = ENGINES[engine](work / "ckpt", work, threads, precision)
+        gen, info, logits = ENGINES[engine](work / "ckpt", work, threads, precision)
         answer.write(json.dumps({"ready": info}) + "\n")
     except Exception as e:  # the reason goes back as the row
         traceback.print_exc()
@@ -70,6 +72,12 @@ def worker(engine: str, precision: str, work: Path, threads: int) -> None:
         return
     answer.flush()
     for line in sys.stdin:
+        if line.startswith("logits "):  # the logits after each of the first B prompts, into a file
+            out = work / f"logits-{os.getpid()}.npy"
+            np.save(out, np.asarray(logits(prompts(int(line.split()[1]))), np.float32))
+            answer.write(json.dumps({"path": str(out)}) + "\n")
+            answer.flush()
+            continue
         B, n = map(int, line.split())
         p = prompts(B)
         t = time.perf_counter()
@@ -110,6 +118,14 @@ class Worker:
         self.proc.stdin.flush()
         return self.read(timeout)
 
+    def logits(self, B: int, timeout: float):
+        if self.skip:
+            return None
+        self.proc.stdin.write(f"logits {B}\n")
+        self.proc.stdin.flush()
+        reply = self.read(timeout)
+        return None if reply is None else np.load(reply["path"])
+
     def close(self):
         if self.proc.poll() is None:
             self.proc.stdin.close()
@@ -132,7 +148,6 @@ def main() -> None:
     os.environ.update(OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
     import jax
     import jax.numpy as jnp
-    import numpy as np
     from machine import describe
 
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -162,6 +177,7 @@ def main() -> None:
                 f"{w.name}: {'skipped: ' + w.skip if w.skip else w.info} ({time.perf_counter() - t:.0f} s)", flush=True
             )
         results = {}
+        errors = logit_errors(workers, args.timeout)
         for B in map(int, args.batches.split(",")):
             live = [w for w in workers if not w.skip]
             tokens, best = {}, {}
@@ -191,7 +207,7 @@ def main() -> None:
                 results[w, B] = dict(step=step, bound=bound, agree=agree)
                 print(f"B={B} {w.name:40s} {step * 1e3:7.1f} ms/step | bound {bound * 1e3:5.1f} ms, "
                       f"{step / bound:4.2f}x of bound | tokens equal to transformers' {agree}", flush=True)  # fmt: skip
-        table(workers, results, args.batches)
+        table(workers, results, args.batches, errors)
     finally:
         for w in workers:
             w.close()
@@ -199,13 +215,37 @@ def main() -> None:
     print(f"load average at the end {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
-def table(workers, results, batches: str) -> None:
+def logit_errors(workers, timeout: float) -> dict:
+    """Each row's logits after the 8 prompts against the fp32 reference's (transformers', else gpt2_jax fp32's):
+    max |dlogit| / max |logit| and mean |dlogit| / mean |logit|, and top-1 agreement."""
+    got = {w: w.logits(8, timeout) for w in workers if not w.skip}
+    ref = next((got[w] for w in got if w.engine == "transformers" and got[w] is not None), None)
+    if ref is None:
+        ref = next(
+            (got[w] for w in got if w.engine == "gpt2_jax" and w.precision == "fp32" and got[w] is not None), None
+        )
+    if ref is None:
+        return {}
+    ref = ref.astype(np.float64)
+    out = {}
+    for w, x in got.items():
+        if x is None or x.shape != ref.shape:
+            continue
+        d = np.abs(x - ref)
+        out[w] = (f"{d.max() / np.abs(ref).max():.1e} / {d.mean() / np.abs(ref).mean():.1e} / "
+                  f"{(x.argmax(-1) == ref.argmax(-1)).mean():.0%}")  # fmt: skip
+        print(f"{w.name:40s} logit error vs fp32 (max rel / mean rel / top-1): {out[w]}", flush=True)
+    return out
+
+
+def table(workers, results, batches: str, errors: dict) -> None:
     Bs = list(map(int, batches.split(",")))
     mine = next((w for w in workers if w.label == "gpt2_jax"), None)
     ours = {B: results.get((mine, B), {}).get("step") for B in Bs}
     head = " | ".join(f"B={B} ms/step (of bound) | B={B} vs gpt2_jax" for B in Bs)
-    print(f"\n| engine | weights | {head} | tokens equal to transformers' (B={', B='.join(map(str, Bs))}) |")
-    print("| --- | --- |" + " --- | --- |" * len(Bs) + " --- |")
+    print(f"\n| engine | weights | {head} | tokens equal to transformers' (B={', B='.join(map(str, Bs))}) | "
+          "logit error vs fp32: max rel / mean rel / top-1 |")  # fmt: skip
+    print("| --- | --- |" + " --- | --- |" * len(Bs) + " --- | --- |")
     for w in workers:
         if w.skip:
             print(f"| {w.label} | {w.precision} | skipped: {w.skip} |")
@@ -219,7 +259,7 @@ def table(workers, results, batches: str) -> None:
             ratio = f"{r['step'] / ours[B]:.2f}x" if ours.get(B) and w is not mine else ""
             cells += [f"{r['step'] * 1e3:.1f} ({r['step'] / r['bound']:.2f}x)", ratio]
             agree.append(r["agree"] or "-")
-        print(f"| {w.label} | {w.precision} | {' | '.join(cells)} | {'; '.join(agree)} |")
+        print(f"| {w.label} | {w.precision} | {' | '.join(cells)} | {'; '.join(agree)} | {errors.get(w, '-')} |")
     print("(vs gpt2_jax: the row's ms/step over gpt2_jax's; above 1.00x gpt2_jax is faster)")
     for w in workers:
         if not w.skip:

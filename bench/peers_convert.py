@@ -1,6 +1,7 @@
 """bench/peers.py's helpers: the random checkpoint, each peer's offline conversion from it (into the bench's
 temp dir) and each engine's greedy loop, `gen(prompts int [B, T], n) -> tokens int [B, n]`, never stopping
-early. Imported from beside it; each engine's imports happen in its own worker process.
+early, and `logits(prompts) -> [B, V]` float32, the logits after each prompt's last token (the int8 rows'
+error against fp32). Imported from beside it; each engine's imports happen in its own worker process.
 
 The ONNX export (ONNX Runtime and OpenVINO read the same file) is GPT-2's forward written out in torch
 over the checkpoint's own tensors, with the KV cache as inputs and outputs (past_i [B, H, S, K] in,
@@ -131,15 +132,20 @@ def engine_gpt2_jax(ckpt: Path, work: Path, threads: int, precision: str):
     import gpt2_jax
     from gpt2_jax import kernels
 
-    params, config = gpt2_jax.load(ckpt)
+    params, config = gpt2_jax.load(ckpt, dtype="int8" if precision == "int8" else "float32")
 
     def gen(prompts, n):
         out = gpt2_jax.generate(params, config, prompts.tolist(), jax.random.key(0), max_new_tokens=n, eos_id=None,
                                 temperature=0.0)  # fmt: skip
         return np.asarray(out.tokens)
 
+    def logits(prompts):
+        return np.asarray(gpt2_jax.forward(params, prompts, config))[:, -1]
+
     isa = os.environ.get("GPT2_JAX_ROWDOT_ISA")
-    return gen, f"jax {jax.__version__}, kernels {kernels.available()}" + (f", forced {isa}" if isa else "")
+    q = ", int8 weight-only (rowdot_int8), float32 activations" if precision == "int8" else ""
+    info = f"jax {jax.__version__}, kernels {kernels.available()}" + (f", forced {isa}" if isa else "") + q
+    return gen, info, logits
 
 
 def engine_transformers(ckpt: Path, work: Path, threads: int, precision: str):
@@ -156,7 +162,11 @@ def engine_transformers(ckpt: Path, work: Path, threads: int, precision: str):
                               do_sample=False, pad_token_id=50256)  # fmt: skip
         return out[:, ids.shape[1] :].numpy()
 
-    return gen, f"transformers {transformers.__version__}, torch {torch.__version__}"
+    def logits(prompts):
+        with torch.no_grad():
+            return hf(torch.as_tensor(prompts)).logits[:, -1].numpy()
+
+    return gen, f"transformers {transformers.__version__}, torch {torch.__version__}", logits
 
 
 def engine_onnxruntime(ckpt: Path, work: Path, threads: int, precision: str):
@@ -182,8 +192,12 @@ def engine_onnxruntime(ckpt: Path, work: Path, threads: int, precision: str):
             feeds = {"ids": value(tokens[-1][:, None].astype(np.int64)), **dict(zip(names, out[1:]))}
         return np.stack(tokens, 1)
 
+    def logits(prompts):
+        feeds = {"ids": prompts.astype(np.int64), **dict(zip(names, _past(len(prompts), L, H, K)))}
+        return sess.run(None, feeds)[0]
+
     q = ", quantize_dynamic QInt8 MatMul weights, dynamic int8 activations" if precision == "int8" else ""
-    return gen, f"onnxruntime {ort.__version__}, torch.onnx export with KV cache{q}"
+    return gen, f"onnxruntime {ort.__version__}, torch.onnx export with KV cache{q}", logits
 
 
 def engine_openvino(ckpt: Path, work: Path, threads: int, precision: str):
@@ -214,9 +228,13 @@ def engine_openvino(ckpt: Path, work: Path, threads: int, precision: str):
             feeds = {"ids": tokens[-1][:, None].astype(np.int64), **dict(zip(names, out[1:]))}
         return np.stack(tokens, 1)
 
+    def logits(prompts):
+        feeds = {"ids": prompts.astype(np.int64), **dict(zip(names, _past(len(prompts), L, H, K)))}
+        return np.array(requests[0].infer(feeds).to_tuple()[0])
+
     hint = compiled.get_property("INFERENCE_PRECISION_HINT")
     hint = hint.get_type_name() if hasattr(hint, "get_type_name") else hint
-    return gen, f"openvino {ov.__version__.split('-')[0]}, ONNX with KV cache{note}, inference precision {hint}"
+    return gen, f"openvino {ov.__version__.split('-')[0]}, ONNX with KV cache{note}, inference precision {hint}", logits
 
 
 def gguf_model(ckpt: Path, work: Path, q8: bool) -> Path:
@@ -285,7 +303,7 @@ def engine_llama_cpp(ckpt: Path, work: Path, threads: int, precision: str):
     batch = lc.llama_batch_init(512, 0, 8)
 
     def decode(rows: list[list[int]], start: int) -> np.ndarray:
-        """One llama_decode of each row's tokens (sequence b at positions start..), its last logits argmaxed."""
+        """One llama_decode of each row's tokens (sequence b at positions start..) -> its last logits [B, V]."""
         i = 0
         for b, row in enumerate(rows):
             for j, token in enumerate(row):
@@ -300,17 +318,21 @@ def engine_llama_cpp(ckpt: Path, work: Path, threads: int, precision: str):
         batch.n_tokens = i
         if lc.llama_decode(ctx, batch) != 0:
             raise RuntimeError("llama_decode failed")
-        return np.ctypeslib.as_array(lc.llama_get_logits(ctx), shape=(len(rows), V)).argmax(-1)
+        return np.ctypeslib.as_array(lc.llama_get_logits(ctx), shape=(len(rows), V))
 
     def gen(prompts, n):
         lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
-        tokens = [decode(prompts.tolist(), 0)]
+        tokens = [decode(prompts.tolist(), 0).argmax(-1)]
         for s in range(1, n):
-            tokens.append(decode([[int(t)] for t in tokens[-1]], prompts.shape[1] + s - 1))
+            tokens.append(decode([[int(t)] for t in tokens[-1]], prompts.shape[1] + s - 1).argmax(-1))
         return np.stack(tokens, 1)
 
+    def logits(prompts):
+        lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
+        return decode(prompts.tolist(), 0).copy()
+
     kv = "f32" if precision == "f32" else "f16"
-    return gen, f"llama-cpp-python {lc.__version__}, GGUF written with gguf's GGUFWriter, {kv} KV cache"
+    return gen, f"llama-cpp-python {lc.__version__}, GGUF written with gguf's GGUFWriter, {kv} KV cache", logits
 
 
 def engine_ctranslate2(ckpt: Path, work: Path, threads: int, precision: str):
@@ -329,7 +351,11 @@ def engine_ctranslate2(ckpt: Path, work: Path, threads: int, precision: str):
                                            include_prompt_in_result=False)  # fmt: skip
         return np.array([[index[t] for t in r.sequences[0]] for r in results])
 
-    return gen, f"ctranslate2 {ctranslate2.__version__}, TransformersConverter quantization={precision}"
+    def logits(prompts):
+        out = generator.forward_batch([[vocab[t] for t in row] for row in prompts.tolist()])
+        return np.asarray(out, np.float32)[:, -1]  # a CPU StorageView is an array (its __array_interface__)
+
+    return gen, f"ctranslate2 {ctranslate2.__version__}, TransformersConverter quantization={precision}", logits
 
 
 ENGINES = {

@@ -1,6 +1,10 @@
 """Logit error of each precision mode (gpt2_jax.model.precision) against float32, as a markdown table.
 
-    python bench/precision.py
+    python bench/precision.py [--data DIR]
+
+Perplexity: the bundled model on the Shakespeare val split (156,600 tokens, `gpt2-jax data shakespeare`;
+--data reuses a prepared directory, else it is fetched into a temp dir), every token scored once, in
+windows of 256 with the previous 128 tokens as context (the first window: none).
 
 Models: the bundled Shakespeare GPT-2 (trained weights, stored in bfloat16, upcast for the float32
 reference) and a GPT-2 124M with GPT-2's random initialisation. Input: the opening of Hamlet's
@@ -10,6 +14,10 @@ in nats, top-1 agreement, and the bytes of the weights.
 """
 
 from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +56,37 @@ def row(name: str, mode: str, params, ref: np.ndarray, tokens: np.ndarray, confi
             f"{top1:.1%} | {param_bytes(p) / 1e6:.0f} MB |")  # fmt: skip
 
 
+def val_tokens(data: str | None) -> np.ndarray:
+    from gpt2_jax.training.data import TokenData, fetch_shakespeare
+
+    if data is None:
+        data = Path(tempfile.mkdtemp(prefix="gpt2_jax_shakespeare_")) / "data"
+        fetch_shakespeare(data)
+    return np.asarray(TokenData(data).splits["val"], np.int32)
+
+
+def perplexity(params, config, val: np.ndarray, window: int = 256, context: int = 128, batch: int = 16) -> float:
+    """exp(mean NLL) of every val token after the first, each scored once with >= `context` tokens before it
+    (but in the first window)."""
+    step = window - context
+    starts = list(range(0, len(val) - window, step))
+    score = jax.jit(lambda p, x: -jnp.take_along_axis(jax.nn.log_softmax(gpt2_jax.model.apply(p, x[:, :-1], config)),
+                                                      x[:, 1:, None], -1)[..., 0])  # fmt: skip
+    total, count = 0.0, 0
+    for i in range(0, len(starts), batch):
+        rows = starts[i : i + batch]
+        x = np.stack([val[s : s + window + 1] for s in rows + [rows[-1]] * (batch - len(rows))])
+        nll = np.asarray(score(params, x), np.float64)[: len(rows)]
+        for r, s in enumerate(rows):  # the first window's every token; after, only those past the context
+            first = 0 if s == 0 else context
+            total, count = total + nll[r, first:].sum(), count + nll.shape[1] - first
+    return float(np.exp(total / count))
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--data", help="a prepared Shakespeare directory (gpt2-jax data shakespeare --out DIR)")
+    args = parser.parse_args()
     tokens = np.array([gpt2_jax.tokenizer().encode(TEXT)[:128]], np.int32)
     shakespeare, small_config = gpt2_jax.load(BUNDLED_MODEL, dtype="float32")
     gpt2_config = gpt2_jax.GPT2Config.preset("gpt2")
@@ -64,6 +102,12 @@ def main() -> None:
             ref = np.asarray(gpt2_jax.forward(params, tokens, config), np.float64)
         for mode in MODES[1:]:
             print(row(name, mode, params, ref, tokens, config), flush=True)
+    val = val_tokens(args.data)
+    print(f"\nbundled Shakespeare model, Shakespeare val split ({len(val):,} tokens): perplexity")
+    print("\n| mode | perplexity | nats/token |\n| --- | --- | --- |")
+    for mode in MODES:
+        ppl = perplexity(with_precision(shakespeare, mode), small_config, val)
+        print(f"| {mode} | {ppl:.3f} | {np.log(ppl):.4f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -169,3 +169,42 @@ def test_log_softmax_rows_keep_their_bits_for_every_row_count():
         for R in range(1, 25):
             got = [bits(a) for a in f(logits[start : start + R], tokens[start : start + R])]
             assert all((g == r[start : start + R]).all() for g, r in zip(got, ref)), (start, R)
+
+
+@pytest.fixture(scope="module")
+def int8_runs(model):
+    """int8 weight-only params (gpt2_jax.model.precision) and their sampled run of the 4 prompts as one batch."""
+    from gpt2_jax.model.precision import quantize_int8
+
+    _, params, config = model
+    q = quantize_int8(params)
+    keys = jax.random.split(jax.random.key(11), len(PROMPTS))
+    batch = generate(q, config, PROMPTS, keys, max_new_tokens=N, eos_id=None, return_logprobs=True,
+                     **SETTINGS["sampled"])  # fmt: skip
+    return q, batch
+
+
+def test_int8_rows_keep_their_bits_in_any_batch_and_equal_a_full_forward(model, batch_runs, int8_runs):
+    """The int8 path (rowdot_int8 for every matmul and the tied head) keeps every property above: a row alone,
+    in an odd batch of 3 and in the stacked layout has the batch's bits, and its decode logprobs are a full
+    int8 forward's. Its numbers are int8's, not float32's."""
+    _, params, config = model
+    q, batch = int8_runs
+    keys = jax.random.split(jax.random.key(11), len(PROMPTS))
+    kw = dict(max_new_tokens=N, eos_id=None, return_logprobs=True, **SETTINGS["sampled"])
+    order = [2, 0, 2]
+    runs = {b: generate(q, config, [PROMPTS[b]], keys[b][None], **kw) for b in (0, 1)}
+    odd = generate(q, config, [PROMPTS[b] for b in order], keys[jnp.array(order)], **kw)
+    stacked = generate(gpt2_jax.stack_layers(q), config, [PROMPTS[3]], keys[3][None], **kw)
+    for rows, got in [((0,), runs[0]), ((1,), runs[1]), (order, odd), ((3,), stacked)]:
+        for i, b in enumerate(rows):
+            np.testing.assert_array_equal(got.tokens[i], batch.tokens[b])
+            np.testing.assert_array_equal(bits(got.logprobs[i]), bits(batch.logprobs[b]))
+    for b, prompt in enumerate(PROMPTS):
+        seq = np.array([prompt + batch.tokens[b].tolist()])
+        logp = np.asarray(jax.nn.log_softmax(gpt2_jax.forward(q, seq, config))[0])
+        expected = logp[np.arange(len(prompt) - 1, len(prompt) - 1 + N), batch.tokens[b]]
+        np.testing.assert_array_equal(bits(batch.logprobs[b]), bits(expected))
+    fp32 = batch_runs["sampled"]
+    assert (bits(batch.logprobs) != bits(fp32.logprobs)).any()  # int8's arithmetic, not float32's
+    assert q["h"][0]["mlp"]["c_fc"]["weight"].dtype == jnp.int8 and q["wte"].dtype == jnp.int8

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from gpt2_jax import kernels
-from gpt2_jax.kernels import chain, rowdot
+from gpt2_jax.kernels import chain, rowdot, rowdot_int8
 
 pytestmark = pytest.mark.skipif(kernels.available() is None, reason="rowdot not built on this machine")
 
@@ -87,19 +87,94 @@ rng = np.random.default_rng(3)
 x = rng.standard_normal((19, 770), np.float32); w = rng.standard_normal((37, 770), np.float32)
 np.save(sys.argv[1], np.asarray(kernels.rowdot(x, w)))
 np.save(sys.argv[2], np.asarray(kernels.chain(x[:, :70], w[:, :70].T.copy())))
+q = rng.integers(-127, 128, (37, 770), dtype=np.int8); s = rng.uniform(1e-3, 1e-1, 37).astype(np.float32)
+np.save(sys.argv[3], np.asarray(kernels.rowdot_int8(x, q, s)))
 """
 
 
 @pytest.mark.skipif(kernels.available() != "avx512", reason="needs an AVX-512 CPU to compare the two paths")
 def test_the_avx2_path_rounds_exactly_like_the_avx512_path(tmp_path):
-    out, out_chain = tmp_path / "avx2.npy", tmp_path / "avx2_chain.npy"
+    out, out_chain, out_int8 = tmp_path / "avx2.npy", tmp_path / "avx2_chain.npy", tmp_path / "avx2_int8.npy"
     env = dict(os.environ, GPT2_JAX_ROWDOT_ISA="avx2", JAX_PLATFORMS="cpu")
-    subprocess.run([sys.executable, "-c", _AVX2_SCRIPT, str(out), str(out_chain)], check=True, env=env, timeout=300)
+    subprocess.run([sys.executable, "-c", _AVX2_SCRIPT, str(out), str(out_chain), str(out_int8)], check=True, env=env,
+                   timeout=300)  # fmt: skip
     rng = np.random.default_rng(3)
     x = rng.standard_normal((19, 770), np.float32)
     w = rng.standard_normal((37, 770), np.float32)
     assert (bits(np.load(out)) == bits(rowdot(x, w))).all()
     assert (bits(np.load(out_chain)) == bits(chain(x[:, :70], w[:, :70].T.copy()))).all()
+    q, s = rng.integers(-127, 128, (37, 770), dtype=np.int8), rng.uniform(1e-3, 1e-1, 37).astype(np.float32)
+    assert (bits(np.load(out_int8)) == bits(rowdot_int8(x, q, s))).all()
+    assert (bits(rowdot_int8(x, q, s)) == bits(int8_reference(x, q, s))).all()
+
+
+def int8_reference(x: np.ndarray, q: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """rowdot_int8's arithmetic written out in numpy (int8.h): each row of x rounded to int16 by its largest
+    |x| (in float64), the dot products exact in int64, then total * row scale * scale in float64, rounded once."""
+    amax = np.abs(x).max(axis=1)
+    xq = np.rint(x.astype(np.float64) * (32767.0 / np.where(amax > 0, amax, 1.0).astype(np.float64))[:, None])
+    total = xq.astype(np.int64) @ q.T.astype(np.int64)
+    row_scale = (amax / np.float32(32767.0)).astype(np.float32).astype(np.float64)
+    return (total.astype(np.float64) * row_scale[:, None] * s.astype(np.float64)).astype(np.float32)
+
+
+@pytest.mark.parametrize("K,N", SHAPES)
+def test_rowdot_int8_is_exact_integer_arithmetic_for_any_row_count(K, N):
+    """The int8 kernel's bits are a numpy int64 matmul's (over x rounded to int16 per row), rounded once, for
+    every slice of rows and under vmap; its value is within the int16 rounding of a float64 matmul's."""
+    rng = np.random.default_rng(K + N)
+    x = rng.standard_normal((150, K), np.float32) * rng.uniform(0.1, 30, (150, 1)).astype(np.float32)
+    x[7] = 0.0  # a zero row (padding): exactly zero out
+    q = rng.integers(-127, 128, (N, K), dtype=np.int8)
+    s = rng.uniform(1e-3, 1e-1, N).astype(np.float32)
+    f = jax.jit(rowdot_int8)
+    full = np.asarray(f(x, q, s))
+    assert (bits(full) == bits(int8_reference(x, q, s))).all()
+    assert not full[7].any()
+    exact = (x.astype(np.float64) @ q.T.astype(np.float64)) * s
+    bound = np.abs(x).max(1, keepdims=True).astype(np.float64) / 65534 * (np.abs(q).sum(1) * s)[None]
+    assert np.all(np.abs(full - exact) <= bound * (1 + 1e-6) + 1e-6 * np.abs(exact))
+    for M in (1, 2, 3, 8, 9, 65):
+        for start in (0, 5):
+            rows = slice(start, start + M)
+            assert (bits(f(x[rows], q, s)) == bits(full[rows])).all(), (M, start)
+    over_x = jax.vmap(rowdot_int8, (0, None, None))(x[:60].reshape(3, 20, K), q, s)  # vmap: one weight for all
+    assert (bits(over_x.reshape(60, N)) == bits(full[:60])).all()
+
+
+def test_rowdot_int8_gives_a_row_with_a_nan_nan_outputs_and_leaves_the_others():
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((3, 64), np.float32)
+    x[1, 5], x[2, 0] = np.nan, np.inf
+    q, s = rng.integers(-127, 128, (10, 64), dtype=np.int8), np.full(10, 0.01, np.float32)
+    y = np.asarray(rowdot_int8(x, q, s))
+    assert np.isnan(y[1:]).all() and np.isfinite(y[0]).all()
+    assert (bits(y[0]) == bits(int8_reference(x[:1], q, s)[0])).all()
+
+
+_INT8_SCRIPT = """
+import sys, numpy as np
+from gpt2_jax import kernels
+assert kernels.int8_isa() == sys.argv[2], kernels.int8_isa()
+rng = np.random.default_rng(4)
+x = rng.standard_normal((11, 3100), np.float32); q = rng.integers(-127, 128, (29, 3100), dtype=np.int8)
+np.save(sys.argv[1], np.asarray(kernels.rowdot_int8(x, q, np.full(29, 0.02, np.float32))))
+"""
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_every_int8_instruction_set_gives_the_reference_bits(tmp_path, isa):
+    """VNNI's vpdpwssd, AVX-512's and AVX2's vpmaddwd (forced in fresh processes) sum the same integers."""
+    if kernels.int8_isa() != "avx512-vnni" and not (isa == "avx2" and kernels.int8_isa() == "avx512"):
+        pytest.skip(f"needs a CPU with more than {isa} to force it (this one: {kernels.int8_isa()})")
+    out = tmp_path / "y.npy"
+    env = dict(os.environ, GPT2_JAX_ROWDOT_ISA=isa, JAX_PLATFORMS="cpu")
+    subprocess.run([sys.executable, "-c", _INT8_SCRIPT, str(out), isa], check=True, env=env, timeout=300)
+    rng = np.random.default_rng(4)
+    x, q = rng.standard_normal((11, 3100), np.float32), rng.integers(-127, 128, (29, 3100), dtype=np.int8)
+    s = np.full(29, 0.02, np.float32)
+    assert (bits(np.load(out)) == bits(int8_reference(x, q, s))).all()
+    assert (bits(np.load(out)) == bits(rowdot_int8(x, q, s))).all()
 
 
 def test_model_matmuls_go_through_rowdot():

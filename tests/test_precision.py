@@ -66,3 +66,31 @@ def test_cli_int8(capsys):
     assert main(["generate", "--prompt", "ROMEO:", "--max-new-tokens", "8", "--dtype", "int8", "--seed", "2"]) == 0
     out, err = capsys.readouterr()
     assert out.startswith("ROMEO:") and len(out) > len("ROMEO:\n") and "tokens/s" in err
+
+
+def test_convert_stores_int8_and_load_keeps_or_dequantizes_it(model, tmp_path):
+    """`convert --dtype int8` writes the quantized weights (a quarter of the bytes), load() gives them back as
+    int8 with the bits of quantizing on loading, dtype="float32" dequantizes them, and --to-hf refuses int8."""
+    from gpt2_jax.model import is_int8, param_bytes
+
+    hf, params, config = model
+    src = tmp_path / "hf"
+    hf.save_pretrained(src)
+    assert main(["convert", str(src), str(tmp_path / "q"), "--dtype", "int8"]) == 0
+    stored, _ = gpt2_jax.load(tmp_path / "q")
+    assert is_int8(stored) and stored["h"][0]["attn"]["c_attn"]["weight"].dtype == jnp.int8
+    assert stored["wte"].dtype == jnp.int8 and stored["wte_scale"].shape == (config.vocab_size,)
+    on_disk = sum(f.stat().st_size for f in (tmp_path / "q").rglob("*") if f.is_file())
+    assert on_disk < 0.45 * param_bytes(params)  # int8 matrices; float32 scales, biases, wpe and LayerNorms
+    tokens = random_tokens(config.vocab_size, (2, 16), seed=3)
+    bits = lambda p: np.asarray(gpt2_jax.forward(p, tokens, config)).view(np.uint32)
+    assert (bits(stored) == bits(quantize_int8(params))).all()
+    assert (bits(gpt2_jax.load(src, dtype="int8")[0]) == bits(stored)).all()  # quantized on loading: the same
+    back, _ = gpt2_jax.load(tmp_path / "q", dtype="float32")
+    assert not is_int8(back) and back["wte"].dtype == jnp.float32
+    assert (bits(back) == bits(with_precision(stored, "float32"))).all()
+    assert rel_err(gpt2_jax.forward(back, tokens, config), hf_logits(hf, tokens)) < 3e-2
+    assert main(["convert", str(src), str(tmp_path / "h"), "--dtype", "int8", "--to-hf"]) != 0
+    assert not (tmp_path / "h").exists()
+    with pytest.raises(ConfigError, match="int8"):
+        gpt2_jax.cast_params(stored, jnp.float32)

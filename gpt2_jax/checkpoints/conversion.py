@@ -5,11 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import jax.numpy as jnp
+
 from gpt2_jax.checkpoints import hf, native
 from gpt2_jax.checkpoints.atomic import atomic_dir, check_writable_destination
 from gpt2_jax.checkpoints.loading import load, resolve_dtype
 from gpt2_jax.checkpoints.streaming import progress_bar
-from gpt2_jax.model.params import param_bytes, to_flat
+from gpt2_jax.errors import ConfigError
+from gpt2_jax.model import precision
+from gpt2_jax.model.params import is_int8, param_bytes, to_flat
 
 
 def convert(src: str | Path, dst: str | Path, *, dtype: Any = None, force: bool = False, to_hf: bool = False,
@@ -20,7 +24,13 @@ def convert(src: str | Path, dst: str | Path, *, dtype: Any = None, force: bool 
     progress: tqdm bars (bytes) on stderr, reading then writing."""
     dst = Path(dst).absolute()
     check_writable_destination(dst, force)  # fail before the (slow) load, not after
-    params, config = load(src, dtype=resolve_dtype(dtype), progress=progress, stacked=True)  # as stored
+    dtype = resolve_dtype(dtype)
+    if to_hf and dtype == jnp.int8:
+        raise ConfigError("--to-hf writes float weights (HuggingFace has no gpt2_jax int8 layout); "
+                          "drop --dtype int8 or write a gpt2_jax checkpoint")  # fmt: skip
+    params, config = load(src, dtype=dtype, progress=progress, stacked=True)  # as stored
+    if to_hf and is_int8(params):  # an int8 gpt2_jax checkpoint: the values it holds, in float32
+        params = precision.with_precision(params, "float32")
     with progress_bar(param_bytes(params), progress, f"writing {dst}") as bar:
         if not to_hf:
             native.save(dst, params, config, force=force)

@@ -12,7 +12,9 @@ from gpt2_jax.checkpoints.lazy import Lazy
 from gpt2_jax.checkpoints.streaming import build_params
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import CheckpointError, ConfigError
-from gpt2_jax.model.params import Params
+from gpt2_jax.model import precision
+from gpt2_jax.model.params import Params, is_int8
+from gpt2_jax.parallel.sharding import shard_params
 
 FORMATS = (
     "a gpt2_jax checkpoint directory (gpt2_jax.json + params/), "
@@ -23,13 +25,23 @@ _TORCH_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 
 
 def resolve_dtype(dtype: Any) -> Any:
-    """None, 'float32' or 'bfloat16' (or the jnp dtypes) -> a jnp dtype or None."""
+    """None, 'float32', 'bfloat16' or 'int8' (gpt2_jax.model.precision's weight-only int8; or the jnp
+    dtypes) -> a jnp dtype or None."""
     if dtype is None:
         return None
     name = jnp.dtype(dtype).name if not isinstance(dtype, str) else dtype
-    if name not in ("float32", "bfloat16"):
-        raise ConfigError(f"dtype {dtype!r} is not supported; use float32 or bfloat16")
+    if name not in ("float32", "bfloat16", "int8"):
+        raise ConfigError(f"dtype {dtype!r} is not supported; use float32, bfloat16 or int8")
     return jnp.dtype(name)
+
+
+def in_precision(params: Params, config: GPT2Config, dtype: Any, mesh: Any) -> Params:
+    """Loaded params in dtype (None: as loaded): int8 quantized from float (or kept), float from int8
+    dequantized then cast; laid out on the mesh again where that changed them."""
+    if dtype is None or (dtype == jnp.int8) == is_int8(params):
+        return params
+    params = precision.with_precision(params, dtype.name)
+    return shard_params(params, config, mesh) if mesh is not None else params
 
 
 def _read_file(path: Path, config: GPT2Config | None) -> tuple[dict[str, Lazy], GPT2Config]:
@@ -78,12 +90,20 @@ def load(
 ) -> tuple[Params, GPT2Config]:
     """Any supported checkpoint -> (params, config), each layer's tensors their own buffers (the fast form
     for every path; see gpt2_jax.model.params). A gpt2-jax train --out directory loads its model/.
-    dtype: keep the stored one (None), float32 or bfloat16. mesh (gpt2_jax.parallel.sharding.make_mesh): lay the params out on it, each device receiving only its shards.
+    dtype: keep the stored one (None), float32, bfloat16 or int8 (weight-only, gpt2_jax.model.precision:
+    quantized on loading, or kept where convert --dtype int8 stored it so). mesh (gpt2_jax.parallel.sharding.make_mesh): lay the params out on it, each device receiving only its shards.
     Tensors stream from the memory-mapped file into their final buffers (cast on the way), so the
     peak memory is about the weights once. progress: a tqdm bar (bytes) on stderr for loads over 2 s.
     stacked=True: block leaves stacked on L instead (the form checkpoints store; convert writes it)."""
     path = Path(path)
     dtype = resolve_dtype(dtype)
+    params, config = _load(path, dtype, config, mesh, progress, stacked)
+    return in_precision(params, config, dtype, mesh), config
+
+
+def _load(path: Path, dtype: Any, config: GPT2Config | None, mesh: Any, progress: bool, stacked: bool):
+    """load(), int8 aside: the readers give int8 params as stored, and float ones for a float32 read."""
+    dtype = jnp.dtype(jnp.float32) if dtype == jnp.int8 else dtype  # then quantized by in_precision
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
     path = _training_run(path)

@@ -209,6 +209,8 @@ def restore(
         shardings = param_shardings(stored, config, mesh)
     else:
         shardings = jax.tree.map(lambda _: SingleDeviceSharding(jax.local_devices()[0]), stored)
+    if "wte_scale" in stored:  # int8 (gpt2_jax.model.precision): read as stored, load() casts the whole
+        dtype = None  # params (dequantized), where casting int8 leaves alone would drop their scales
     target = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, dtype or a.dtype, sharding=sh), stored, shardings)
     try:
         mapped = None if mesh is not None else _mapped(path / PARAMS_DIR, stored, dtype)

@@ -17,7 +17,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("src", help="HF directory, .safetensors/.bin file, nanoGPT ckpt.pt, or gpt2_jax checkpoint")
     parser.add_argument("dst", help="output directory (written atomically)")
     parser.add_argument(
-        "--dtype", choices=["float32", "bfloat16"], default=None, help="cast the weights (default: keep)"
+        "--dtype",
+        choices=["float32", "bfloat16", "int8"],
+        default=None,
+        help="cast the weights (default: keep); int8 = weight-only int8, stored quantized (gpt2_jax.model.precision)",
     )
     parser.add_argument("--force", action="store_true", help="replace dst if it exists")
     parser.add_argument("--to-hf", action="store_true", help="write a HuggingFace directory instead of orbax")

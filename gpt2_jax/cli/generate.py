@@ -103,10 +103,9 @@ def load_model(args: argparse.Namespace, mesh):
 
     if args.model is None and not BUNDLED_MODEL.is_dir():
         raise GPT2JaxError(f"no --model given and the bundled model {BUNDLED_MODEL} is missing")
-    int8 = args.dtype == "int8"
-    params, config = load(resolve_model(args.model) if args.model else BUNDLED_MODEL,
-                          dtype="bfloat16" if int8 else args.dtype, mesh=mesh, progress=True)  # fmt: skip
-    if int8:
+    params, config = load(resolve_model(args.model) if args.model else BUNDLED_MODEL, dtype=args.dtype, mesh=mesh,
+                          progress=True)  # fmt: skip
+    if args.dtype == "int8" and not precision.is_int8(params):  # load() quantizes; this is for safety
         params = precision.quantize_int8(params)
         params = shard_params(params, config, mesh) if mesh else params  # the scales' layout too
     return params, config
@@ -177,7 +176,7 @@ def _encoding():
 def run_generate(args: argparse.Namespace) -> int:
     from gpt2_jax import CompileTimer, complete, generate_stream
     from gpt2_jax.generation import cache_capacity
-    from gpt2_jax.model import cache_bytes
+    from gpt2_jax.model import cache_bytes, float_dtype
     from gpt2_jax.parallel import is_main, parse_mesh
     from gpt2_jax.tokenizer import EOT, tokenizer
 
@@ -207,7 +206,7 @@ def run_generate(args: argparse.Namespace) -> int:
     kw["sampling"] = sampling_params(args)
     # beams: a power-of-two bucket of rows (a num_beams out of range is beam_search's ConfigError, not a huge cache)
     rows = args.num_samples if args.num_beams is None else 1 << (min(max(args.num_beams, 1), 64) - 1).bit_length()
-    cache = cache_bytes(config, rows, cache_capacity(len(ids), args.max_new_tokens, config), params["wte"].dtype)
+    cache = cache_bytes(config, rows, cache_capacity(len(ids), args.max_new_tokens, config), float_dtype(params))
     out = out if is_main() else io.StringIO()  # every process computes; process 0 prints
     key = jax.random.key(args.seed)
     with CompileTimer() as compiling:

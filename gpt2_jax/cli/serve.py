@@ -128,7 +128,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise GPT2JaxError(f"gpt2-jax serve needs fastapi and uvicorn: pip install 'gpt2-jax[serve]' ({e})") from None
     import jax
 
-    from gpt2_jax.model import KEY_BLOCK, pool_bytes
+    from gpt2_jax.model import KEY_BLOCK, float_dtype, pool_bytes
     from gpt2_jax.parallel import parse_mesh
     from gpt2_jax.serving import ConstraintCompiler, Engine, tune_malloc, warm_up
     from gpt2_jax.tokenizer import tokenizer
@@ -174,13 +174,13 @@ def run_serve(args: argparse.Namespace) -> int:
             )
 
         engine = Engine(params, config, max_batch=args.max_batch, max_queue=args.max_queue, max_seq=args.max_seq,
-                        num_blocks=pool_blocks(args, config, params["wte"].dtype), max_constraint_states=
+                        num_blocks=pool_blocks(args, config, float_dtype(params)), max_constraint_states=
                         args.max_constraint_states, constraint_classes=args.constraint_classes, on_compiled=compiled,
                         **({} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk})).start()  # fmt: skip
-        pool_mb = pool_bytes(config, engine.num_blocks, params["wte"].dtype) / 2**20
+        pool_mb = pool_bytes(config, engine.num_blocks, float_dtype(params)) / 2**20
         say(f"compiling the essential programs (max_seq={engine.max_seq}, max_batch={engine.max_batch}, KV pool "
             f"{engine.num_blocks - 1} blocks of {KEY_BLOCK} tokens = {pool_mb:.0f} MiB, prefill chunks of "
-            f"{engine.prefill_chunk}, dtype {params['wte'].dtype}) ...")  # fmt: skip
+            f"{engine.prefill_chunk}, weights {args.dtype or params['wte'].dtype}) ...")  # fmt: skip
         starting.join()
         seconds = warm_up(engine, compiler=compiler)
         name = args.model_name or args.model or "shakespeare"

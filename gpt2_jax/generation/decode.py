@@ -21,7 +21,7 @@ from gpt2_jax.kernels.invariance import min_rows, pad_rows
 from gpt2_jax.model.axes import constrain, replicate
 from gpt2_jax.model.gpt2 import forward_cached
 from gpt2_jax.model.kv_cache import KVCache, init_cache
-from gpt2_jax.model.params import Params
+from gpt2_jax.model.params import Params, float_dtype
 from gpt2_jax.sampling import constraints
 from gpt2_jax.sampling.processors import ProcessorSettings, ProcessorState, apply_processors
 from gpt2_jax.sampling.processors import init_state as init_processor_state
@@ -79,7 +79,7 @@ def prefill(
     forward (steering), or None."""
     tokens, lengths, keys = constrain(tokens, "BT"), constrain(lengths, "B"), constrain(keys, "B")  # rows over "data"
     B = tokens.shape[0]
-    cache = init_cache(config, B, capacity, params["wte"].dtype)
+    cache = init_cache(config, B, capacity, float_dtype(params))
     logits, cache = forward_cached(params, tokens, cache, config, last=lengths - 1, hooks=hooks)
     no = jnp.zeros(B, bool)
     zero = jnp.zeros(B, jnp.int32)

@@ -22,7 +22,7 @@ from gpt2_jax.errors import InputError
 from gpt2_jax.model.axes import mesh_of, on_mesh
 from gpt2_jax.model.gpt2 import unembed
 from gpt2_jax.model.layers import F32
-from gpt2_jax.model.params import Params
+from gpt2_jax.model.params import Params, wte_rows
 
 _unembed = jax.jit(unembed, static_argnames="config")
 
@@ -84,7 +84,7 @@ def dla_names(config: GPT2Config) -> tuple[str, ...]:
 def logit_direction(params: Params, target: jax.Array) -> jax.Array:
     """target [B] -> [B, D]: the direction in the final LayerNorm's normalised space whose dot product
     is the target's logit (ln_f's weight times the target's row of the tied unembedding)."""
-    return params["ln_f"]["weight"].astype(F32) * params["wte"][target].astype(F32)
+    return params["ln_f"]["weight"].astype(F32) * wte_rows(params, target)
 
 
 def _term(x: jax.Array, scale: jax.Array, direction: jax.Array) -> jax.Array:
@@ -127,4 +127,4 @@ def _bias_term(params: Params, target: jax.Array) -> jax.Array:
     ln_f = params["ln_f"]
     if "bias" not in ln_f:
         return jnp.zeros(target.shape, F32)
-    return jnp.sum(ln_f["bias"].astype(F32) * params["wte"][target].astype(F32), axis=-1)
+    return jnp.sum(ln_f["bias"].astype(F32) * wte_rows(params, target), axis=-1)

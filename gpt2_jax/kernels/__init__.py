@@ -11,6 +11,9 @@ the arithmetic in rowdot.h and chain.h, called from cpu.cc through XLA's FFI on 
 compute each output by the same instructions whatever M is:
   rowdot  one dot product: 16 lane-wise accumulators in k order, then one fixed tree over the lanes. It
           streams [out, in] weights at close to the memory's speed for a decode step's few rows.
+  rowdot_int8  x @ w.T with w int8 and a float32 scale per output (gpt2_jax.model.precision's int8): x's
+          rows rounded to int16, the dot products summed exactly in integers (VNNI where present), one
+          rounding at the end; bits independent of the batch and of the instruction set by construction.
   chain   one fused multiply-add chain in k order, lanes over outputs, no lane sums: fast for
           attention's short dot products (64 for the scores), where rowdot's lane sums cost as much as
           its multiply-adds.
@@ -29,10 +32,21 @@ batch shapes.
 
   ffi.py        the XLA FFI targets, rowdot / chain / cumsum and their custom VJPs
   invariance.py what else keeps a row's bits batch-independent on XLA's CPU backend (row padding)
-  cpu.cc        the Python module and FFI handlers; the arithmetic is rowdot.h and chain.h
+  cpu.cc        the Python module and FFI handlers; the arithmetic is rowdot.h, chain.h and int8.h
 """
 
-from gpt2_jax.kernels.ffi import Entry, Paged, available, chain, cumsum, fits, rowdot, why_unavailable
+from gpt2_jax.kernels.ffi import (
+    Entry,
+    Paged,
+    available,
+    chain,
+    cumsum,
+    fits,
+    int8_isa,
+    rowdot,
+    rowdot_int8,
+    why_unavailable,
+)
 from gpt2_jax.kernels.invariance import MIN_REDUCE, min_rows, pad_rows
 
 __all__ = [
@@ -43,8 +57,10 @@ __all__ = [
     "chain",
     "cumsum",
     "fits",
+    "int8_isa",
     "min_rows",
     "pad_rows",
     "rowdot",
+    "rowdot_int8",
     "why_unavailable",
 ]

@@ -20,7 +20,10 @@
 #include <memory>
 #include <thread>
 
+#include <vector>
+
 #include "chain.h"
+#include "int8.h"
 #include "rowdot.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -57,6 +60,8 @@ void Work(Shared& s) {
       chain::Item(p, s.row_blocks, i % s.per_problem, &pages);
     } else if (s.chain)
       chain::Item(p, s.row_blocks, i % s.per_problem);
+    else if (p.wq != nullptr)
+      int8::Item(p, s.row_blocks, i % s.per_problem);
     else
       rowdot::Item(p, s.row_blocks, i % s.per_problem);
     s.done.fetch_add(1, std::memory_order_release);
@@ -73,8 +78,8 @@ void Run(ffi::ThreadPool& pool, const Problem& p, int64_t batch, int64_t x_step,
     s->paged = true, s->pages = paged->pages, s->heads = paged->heads, s->head_stride = paged->head_stride,
     s->table_stride = paged->table_stride;
   s->p = p, s->chain = chain, s->batch = batch, s->x_step = x_step, s->w_step = w_step;
-  s->row_blocks = chain ? chain::RowBlocks(p) : rowdot::RowBlocks(p);
-  s->per_problem = chain ? chain::Items(p) : rowdot::Items(p);
+  s->row_blocks = chain ? chain::RowBlocks(p) : p.wq != nullptr ? int8::RowBlocks(p) : rowdot::RowBlocks(p);
+  s->per_problem = chain ? chain::Items(p) : p.wq != nullptr ? int8::Items(p) : rowdot::Items(p);
   s->items = batch * s->per_problem;
   int64_t helpers = std::min<int64_t>(pool.num_threads(), s->items) - 1;
   for (int64_t t = 0; t < helpers; ++t) pool.Schedule([s] { Work(*s); });
@@ -115,6 +120,27 @@ ffi::Error RowDotImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   auto xd = x.dimensions(), wd = w.dimensions();
   return Multiply(pool, x.typed_data(), xd.begin(), xd.size(), w.typed_data(), wd.begin(), wd.size(),
                   y->typed_data());
+}
+
+// rowdot with int8 weights: x [..., M, K] float32, w [..., N, K] int8 and scale [..., N] float32 (w's
+// leading dims all 1: one weight for every row) -> y [..., M, N], y[m, n] = x[m] . (w[n] * scale[n]) by
+// int8.h's exact integer sums. x's rows are rounded to int16 here, once, before the work is shared out.
+ffi::Error RowDotInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
+                          ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() < 2 || wd.size() < 2 || xd[xd.size() - 1] != wd[wd.size() - 1])
+    return ffi::Error::InvalidArgument("rowdot_int8: x [..., M, K] and w [N, K] must share K");
+  int64_t K = xd[xd.size() - 1], N = wd[wd.size() - 2], M = Product(xd.begin(), xd.size() - 1);
+  if (Product(wd.begin(), wd.size() - 2) != 1 || static_cast<int64_t>(scale.element_count()) != N)
+    return ffi::Error::InvalidArgument("rowdot_int8: w must be [N, K] (one weight for every row) and scale [N]");
+  int64_t Kp = int8::Padded(K);
+  std::vector<int16_t> xq(static_cast<size_t>(M * Kp));
+  std::vector<float> x_scale(static_cast<size_t>(M));
+  for (int64_t m = 0; m < M; ++m) int8::QuantizeRow(x.typed_data() + m * K, K, Kp, xq.data() + m * Kp, &x_scale[m]);
+  Problem p{x.typed_data(), nullptr, y->typed_data(), M, N, K};
+  p.wq = w.typed_data(), p.w_scale = scale.typed_data(), p.xq = xq.data(), p.x_scale = x_scale.data(), p.Kp = Kp;
+  Run(pool, p, 1, 0, 0, false);
+  return ffi::Error::Success();
 }
 
 // Entry `index` of a stacked [L, ...] w (a layer of the KV cache), read where it lies: slicing it out
@@ -228,6 +254,9 @@ static auto DotBinding() {
 static auto AtBinding() { return DotBinding().Arg<ffi::Buffer<ffi::S32>>(); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GPT2JaxRowDot, RowDotImpl, DotBinding().Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GPT2JaxRowDotInt8, RowDotInt8Impl,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GPT2JaxRowDotAt, RowDotAtImpl, AtBinding().Ret<ffi::Buffer<ffi::F32>>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GPT2JaxRowDotEnds, EndsImpl<false>,
                               DotBinding().Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::Buffer<ffi::F32>>().Attr<int32_t>("mode"));
@@ -254,6 +283,8 @@ static PyObject* Isa(PyObject*, PyObject*) {
   return PyUnicode_FromString(rowdot::Pick().few.isa);
 }
 
+static PyObject* IsaInt8(PyObject*, PyObject*) { return PyUnicode_FromString(int8::Pick().isa); }
+
 static PyObject* Usable(PyObject*, PyObject*) {
   __builtin_cpu_init();
   return PyBool_FromLong(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"));
@@ -261,6 +292,7 @@ static PyObject* Usable(PyObject*, PyObject*) {
 
 static PyMethodDef kMethods[] = {
     {"handler", Capsule<GPT2JaxRowDot>, METH_NOARGS, "The XLA FFI handler, as a capsule for jax.ffi.register_ffi_target."},
+    {"handler_int8", Capsule<GPT2JaxRowDotInt8>, METH_NOARGS, "rowdot over int8 weights with a float32 scale per output."},
     {"handler_at", Capsule<GPT2JaxRowDotAt>, METH_NOARGS, "The handler of the variant reading one entry of a stacked w."},
     {"handler_ends", Capsule<GPT2JaxRowDotEnds>, METH_NOARGS, "The handler taking per-row ends (see rowdot::Ends)."},
     {"handler_at_ends", Capsule<GPT2JaxRowDotAtEnds>, METH_NOARGS, "handler_at taking per-row ends."},
@@ -269,6 +301,7 @@ static PyMethodDef kMethods[] = {
     {"handler_chain_paged", Capsule<GPT2JaxChainPaged>, METH_NOARGS, "handler_chain reading a paged KV cache."},
     {"handler_cumsum", Capsule<GPT2JaxCumSum>, METH_NOARGS, "cumsum: float32 prefix sums accumulated in float64."},
     {"isa", Isa, METH_NOARGS, "Which instruction set the kernel runs with here: 'avx512' or 'avx2'."},
+    {"isa_int8", IsaInt8, METH_NOARGS, "rowdot_int8's instruction set here: 'avx512-vnni', 'avx512' or 'avx2'."},
     {"usable", Usable, METH_NOARGS, "Whether this CPU has what the kernel needs (AVX2 and FMA)."},
     {nullptr, nullptr, 0, nullptr}};
 

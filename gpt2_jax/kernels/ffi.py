@@ -23,7 +23,7 @@ except ImportError:  # built without a compiler: XLA's matmul everywhere
 _DISABLED = os.environ.get("GPT2_JAX_KERNELS", "").strip().lower() in ("off", "0", "false", "no")
 _REGISTERED = False
 if _cpu is not None and _cpu.usable() and not _DISABLED:
-    for _suffix, _handler in (("", _cpu.handler), ("_at", _cpu.handler_at), ("_ends", _cpu.handler_ends),
+    for _suffix, _handler in (("", _cpu.handler), ("_int8", _cpu.handler_int8), ("_at", _cpu.handler_at), ("_ends", _cpu.handler_ends),
                               ("_at_ends", _cpu.handler_at_ends), ("_chain", _cpu.handler_chain),
                               ("_chain_at", _cpu.handler_chain_at), ("_chain_paged", _cpu.handler_chain_paged),
                               ("_cumsum", _cpu.handler_cumsum)):  # fmt: skip
@@ -145,6 +145,32 @@ def rowdot(
                 add an exact zero to its dot product, so the bits do not change).
     """
     return _product(False, x, w, out_ends, in_ends)
+
+
+def rowdot_int8(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
+    """x [..., M, I] float32 @ (q [N, I] int8 * scale [N, 1]).T -> [..., M, N] float32, each output a function
+    of its own row and weight row alone (int8.h): the row rounded to int16 with one scale per row, the dot
+    product summed exactly in integers, then one rounding to float32 of total * row scale * scale[n]. So
+    no batch, tiling, thread split or instruction set changes a bit, and a decode step reads one byte
+    per weight. Inference only (no gradient). Where the kernel does not run: XLA's matmul of x and q as
+    float32, then the scales (no int16 rounding of x: close to the kernel's values, not its bits)."""
+    out = jax.ShapeDtypeStruct((*x.shape[:-1], q.shape[-2]), F32)
+
+    def kernel(x, q, scale):
+        return jax.ffi.ffi_call(TARGET + "_int8", out, vmap_method="expand_dims")(x, q, scale)
+
+    def other(x, q, scale):
+        return _einsum(x, q.astype(F32)) * scale
+
+    if not _REGISTERED:
+        return other(x, q, scale)
+    return jax.lax.platform_dependent(x, q, scale, cpu=kernel, default=other)
+
+
+def int8_isa() -> str | None:
+    """The instruction set rowdot_int8 runs with here ("avx512-vnni", "avx512" or "avx2"), or None where
+    XLA's matmul stands in."""
+    return _cpu.isa_int8() if _REGISTERED else None
 
 
 def chain(

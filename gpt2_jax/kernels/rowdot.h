@@ -184,6 +184,13 @@ struct Problem {
   int64_t M, N, K;
   const int32_t* ends = nullptr;  // [M], or null
   Ends mode = Ends::kNone;
+  // int8 weights (int8.h) in place of w: q [N, K] with a scale per output, and x's rows as int16 with a
+  // scale per row (xq [M, Kp], K padded with zeros to Kp, a multiple of 32).
+  const int8_t* wq = nullptr;
+  const float* w_scale = nullptr;
+  const int16_t* xq = nullptr;
+  const float* x_scale = nullptr;
+  int64_t Kp = 0;
 };
 
 inline int64_t MaxEnd(const Problem& p, int64_t m, int64_t mm) {

@@ -13,8 +13,8 @@ from gpt2_jax.errors import InputError
 from gpt2_jax.model.axes import constrain, mesh_of, on_mesh
 from gpt2_jax.model.kv_cache import CacheView, KVCache
 from gpt2_jax.model.layer_loop import layer_at, n_layers, scan_layers
-from gpt2_jax.model.layers import F32, block, dropout, layer_norm, matmul, within
-from gpt2_jax.model.params import Params
+from gpt2_jax.model.layers import F32, block, dropout, int8_matmul, layer_norm, matmul, within
+from gpt2_jax.model.params import Params, is_int8
 
 
 def embed(params: Params, tokens: jax.Array, positions: jax.Array, tap=None) -> jax.Array:
@@ -23,7 +23,9 @@ def embed(params: Params, tokens: jax.Array, positions: jax.Array, tap=None) -> 
 
     Out-of-range ids give NaN rather than a silently clamped row, so bad input never
     turns into plausible-looking logits inside a jit where it cannot raise."""
-    tok = jnp.take(params["wte"], tokens, axis=0, mode="fill", fill_value=jnp.nan)
+    tok = jnp.take(params["wte"], tokens, axis=0, mode="fill", fill_value=jnp.nan if not is_int8(params) else 0)
+    if is_int8(params):  # int8 rows (gpt2_jax.model.precision) times their scales; a bad id's scale is NaN
+        tok = tok.astype(F32) * jnp.take(params["wte_scale"], tokens, mode="fill", fill_value=jnp.nan)[..., None]
     pos = jnp.take(params["wpe"], positions, axis=0, mode="fill", fill_value=jnp.nan)
     if tap is not None:  # [T, D] positions broadcast as the sum would, so the hook sees [B, T, D]
         tok, pos = tap("hook_embed", tok.astype(F32)), tap("hook_pos_embed", jnp.broadcast_to(pos, tok.shape))
@@ -35,6 +37,8 @@ def unembed(params: Params, h: jax.Array, config: GPT2Config, tap=None) -> jax.A
     Hook points: ln_final.hook_scale and ln_final.hook_normalized."""
     h = layer_norm(params["ln_f"], h, config.layer_norm_epsilon, within(tap, "ln_final"))
     wte = params["wte"]
+    if is_int8(params):
+        return int8_matmul(h, wte, params["wte_scale"])
     return matmul(h.astype(wte.dtype), wte)  # [B, T, D] x [V, D] -> [B, T, V]
 
 

@@ -101,17 +101,26 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     return jax.lax.optimization_barrier(y)[:M].reshape(*lead, *out)
 
 
+def int8_matmul(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
+    """x [..., in] @ (q [out..., in] int8 * scale [out...]).T -> [..., out...] float32 (gpt2_jax.model.precision's
+    int8): on a CPU gpt2_jax.kernels.rowdot_int8, whose every output is one dot product over q as float32,
+    then times its scale, rounded the same way for any M; otherwise matmul's XLA form over q as float32,
+    then the scales."""
+    lead, out = x.shape[:-1], q.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1]).astype(F32)
+    if kernels.fits(x2):
+        return kernels.rowdot_int8(x2, q.reshape(-1, q.shape[-1]), scale.reshape(-1)).reshape(*lead, *out)
+    return matmul(x2, q.astype(F32)).reshape(*lead, *out) * scale
+
+
 def linear(p: dict, x: jax.Array) -> jax.Array:
-    """x [..., in] @ W[out..., in].T (+ b) -> [..., out...] float32. An int8 weight (gpt2_jax.model.precision)
-    is used as bfloat16, its per-output scale applied after."""
-    int8 = "scale" in p
-
-    def product(w: jax.Array) -> jax.Array:
-        a, w = (x.astype(BF16), w.astype(BF16)) if int8 else (x.astype(w.dtype), w)
-        return matmul(a, w)
-
-    y = apply_weight(p["weight"], product)  # a per-layer buffer is read in place (see params.apply_weight)
-    y = y * take(p["scale"]) if int8 else y
+    """x [..., in] @ W[out..., in].T (+ b) -> [..., out...] float32; an int8 W (gpt2_jax.model.precision)
+    through int8_matmul with its per-output scale."""
+    if "scale" in p:
+        scale = take(p["scale"])
+        y = apply_weight(p["weight"], lambda q: int8_matmul(x, q, scale))  # a per-layer buffer read in place
+    else:
+        y = apply_weight(p["weight"], lambda w: matmul(x.astype(w.dtype), w))  # (see layer_loop.apply_weight)
     return y + take(p["bias"]).astype(F32) if "bias" in p else y
 
 

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gpt2_jax.config import GPT2Config
-from gpt2_jax.errors import CheckpointError
+from gpt2_jax.errors import CheckpointError, ConfigError
 
 Params = dict[str, Any]
 
@@ -154,6 +154,10 @@ def check_tree(shapes: Any, config: GPT2Config, source: str) -> None:
     want = {dotted(p): tuple(a.shape) for p, a in jax.tree_util.tree_flatten_with_path(
         jax.eval_shape(lambda: init_params(jax.random.key(0), config, stacked=True)))[0]}  # fmt: skip
     got = {dotted(p): tuple(a.shape) for p, a in jax.tree_util.tree_flatten_with_path(shapes)[0]}
+    if "wte_scale" in got:  # int8 (gpt2_jax.model.precision): a float32 scale per output of each matmul weight
+        want["wte_scale"] = want["wte"][:1]
+        want.update({n[: -len("weight")] + "scale": s[:-1] for n, s in list(want.items())
+                     if n.endswith(".weight") and n.split(".")[-2] in ("c_attn", "c_proj", "c_fc")})  # fmt: skip
     missing, unexpected = sorted(set(want) - set(got)), sorted(set(got) - set(want))
     if missing or unexpected:
         what = f"missing {_listing(missing)}" if missing else f"unexpected {_listing(unexpected)}"
@@ -203,8 +207,29 @@ def init_params(key: jax.Array, config: GPT2Config, dtype: Any = jnp.float32, *,
 
 
 def cast_params(params: Params, dtype: Any) -> Params:
-    """Every leaf cast to dtype (float32 or bfloat16)."""
+    """Every leaf cast to dtype (float32 or bfloat16). Not for int8 params, whose int8 leaves would lose
+    their scales: gpt2_jax.model.precision.with_precision takes those."""
+    if is_int8(params):
+        raise ConfigError("these params are int8 (gpt2_jax.model.precision); cast them with "
+                          "precision.with_precision(params, 'float32' or 'bfloat16'), which dequantizes first")  # fmt: skip
     return jax.tree.map(lambda a: jnp.asarray(a, dtype), params)
+
+
+def is_int8(params: Params) -> bool:
+    """Whether params are gpt2_jax.model.precision's int8 weight-only params (int8 wte with "wte_scale")."""
+    return "wte_scale" in params
+
+
+def wte_rows(params: Params, ids: jax.Array) -> jax.Array:
+    """ids [...] -> their rows of the tied embedding [..., D] float32 (an int8 wte's times their scales)."""
+    rows = params["wte"][ids].astype(jnp.float32)
+    return rows * params["wte_scale"][ids][..., None] if is_int8(params) else rows
+
+
+def float_dtype(params: Params) -> Any:
+    """The dtype the model computes activations and keeps its KV cache in: float32, or bfloat16 for
+    bfloat16 params (wpe's, the one matrix no precision mode quantizes)."""
+    return params["wpe"].dtype
 
 
 def param_bytes(params: Params) -> int:

@@ -3,15 +3,21 @@
   float32   everything in float32.
   bfloat16  weights, matmul inputs and the KV cache in bfloat16; matmuls accumulate in float32, and the
             residual stream, LayerNorm, softmax and logits stay float32 (see gpt2_jax.model.layers).
-  int8      bfloat16 as above, but every block matmul weight (c_attn, c_proj, c_fc) is int8 with one
-            float32 scale per output (a row of the [out, in] weight): w ~= q * scale, q = round(w / scale)
-            in [-127, 127], scale = max |w| over the row / 127. The matmul converts q to bfloat16 (exactly: |q| <= 127
-            fits bfloat16's 8-bit significand) and multiplies the float32 result by the scale. wte and wpe
-            stay bfloat16: wte is both the embedding and the unembedding, whose error feeds every logit.
-            For decode, which reads every weight once per token, this halves the bytes of the blocks.
+  int8      float32, but every matmul weight is int8 with one float32 scale per output: the blocks'
+            c_attn, c_proj and c_fc ({"weight": int8 [out, in], "scale": [out]}) and the tied wte
+            ("wte" int8 [V, D], "wte_scale" [V]: a token's row is both its embedding and its logit's
+            weights). w ~= q * scale, q = round(w / scale) in [-127, 127], scale = max |w| over the row
+            / 127. Everything else (wpe, LayerNorms, biases, the KV cache, the residual stream) stays
+            float32. On a CPU each int8 matmul is gpt2_jax.kernels.rowdot_int8: the activation row
+            rounded to int16 by its own scale (a step of 1/65534 of its largest element, 258x finer than
+            the weights'), the dot products summed exactly in integers, one rounding at the end. So a
+            row's bits never depend on its batch, and a decode step reads 1 byte per weight (a quarter
+            of float32's). The embedding is q[token] * scale[token]. Elsewhere (GPU, no kernels) XLA's
+            matmul of x and q as float32, then the scales.
 
-bench/precision.py measures each mode's logit error against float32 (the table is in README.md).
-int8 params are for inference only: they have no gradient, and checkpoints store float weights.
+bench/precision.py measures each mode's logit error against float32 (the table is in README.md), and
+bench/peers.py int8 speed and error against other engines' int8. int8 params are for inference only:
+they have no gradient. `gpt2-jax convert --dtype int8` stores them quantized; load() keeps them so.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from gpt2_jax.errors import ConfigError
-from gpt2_jax.model.params import Params, cast_params
+from gpt2_jax.model.params import Params, cast_params, is_int8
 
 MODES = ("float32", "bfloat16", "int8")
 _QUANTISED = ("c_attn", "c_proj", "c_fc")
@@ -35,32 +41,53 @@ def quantize(w: jax.Array) -> tuple[jax.Array, jax.Array]:
     return q, scale
 
 
-@jax.jit
-def quantize_int8(params: Params) -> Params:
-    """bfloat16/float32 params -> int8 weight-only params (per-layer or stacked, as given): every block
-    matmul's {"weight"} becomes {"weight": int8, "scale": float32 [(L,) out]}; everything else bfloat16."""
-    params = cast_params(params, jnp.bfloat16)
+def _layers(params: Params, fn) -> Params:
+    """params with fn applied to every block matmul's {"weight", ...} (per-layer or stacked "h")."""
 
     def layer(h: dict) -> dict:
         h = dict(h)
         for part in ("attn", "mlp"):
-            h[part] = {name: _quantized(p) if name in _QUANTISED else p for name, p in h[part].items()}
+            h[part] = {name: fn(p) if name in _QUANTISED else p for name, p in h[part].items()}
         return h
 
     h = params["h"]
     return {**params, "h": [layer(p) for p in h] if isinstance(h, (list, tuple)) else layer(h)}
 
 
-def _quantized(p: dict) -> dict:
-    """One linear layer's {"weight", "bias"} -> {"weight": int8, "scale", "bias"}."""
-    q, scale = quantize(p["weight"])
-    return {**p, "weight": q, "scale": scale}
+@jax.jit
+def _quantize_int8(params: Params) -> Params:
+    params = cast_params(params, jnp.float32)
+    wte, wte_scale = quantize(params["wte"])
+    params = _layers(params, lambda p: {**p, **dict(zip(("weight", "scale"), quantize(p["weight"]), strict=True))})
+    return {**params, "wte": wte, "wte_scale": wte_scale}
+
+
+def quantize_int8(params: Params) -> Params:
+    """float params -> int8 weight-only params (see the module docstring); int8 params as they are."""
+    return params if is_int8(params) else _quantize_int8(params)
+
+
+@jax.jit
+def _dequantize(params: Params) -> Params:
+    def linear(p: dict) -> dict:
+        p = dict(p)
+        scale = p.pop("scale")
+        return {**p, "weight": p["weight"].astype(jnp.float32) * scale[..., None]}
+
+    params = dict(_layers(params, linear))
+    scale = params.pop("wte_scale")
+    return {**params, "wte": params["wte"].astype(jnp.float32) * scale[:, None]}
+
+
+def dequantize(params: Params) -> Params:
+    """int8 params -> float32 params holding the quantized values (q * scale); float params as they are."""
+    return _dequantize(params) if is_int8(params) else params
 
 
 def with_precision(params: Params, mode: str) -> Params:
-    """params in one of MODES (see the module docstring)."""
+    """params in one of MODES (see the module docstring), from float or int8 params."""
     if mode not in MODES:
         raise ConfigError(f"precision {mode!r} is not one of {', '.join(MODES)}")
     if mode == "int8":
         return quantize_int8(params)
-    return cast_params(params, jnp.dtype(mode))
+    return cast_params(dequantize(params), jnp.dtype(mode))

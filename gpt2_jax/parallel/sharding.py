@@ -89,8 +89,9 @@ def _names(path) -> tuple[str, ...]:
 
 def leaf_spec(names: tuple[str, ...], ndim: int, config: GPT2Config, model: int) -> P:
     """The PartitionSpec of one parameter, by its path in the pytree (see the module docstring)."""
-    if names == ("wte",):
-        return P("model", None) if model > 1 and config.vocab_size % model == 0 else P()
+    if names in (("wte",), ("wte_scale",)):  # int8's wte_scale [V] follows wte's rows
+        split = model > 1 and config.vocab_size % model == 0
+        return P("model", *[None] * (ndim - 1)) if split else P()
     axis = _MODEL_AXIS.get(names[-2:])
     if axis is None:
         return P()

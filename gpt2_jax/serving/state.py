@@ -17,7 +17,7 @@ import numpy as np
 
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.generation import init_paged, prepare
-from gpt2_jax.model import Params
+from gpt2_jax.model import Params, float_dtype
 from gpt2_jax.sampling import SamplingParams, constraints
 from gpt2_jax.serving.rows import fit, fixed_processors
 
@@ -46,7 +46,7 @@ class EngineState:
         self.host = jax.tree.map(np.array, rules._replace(constraint=tables))
         self.tables = jax.device_put(self.host.constraint)
         self.rules = self._device_rules()
-        self.state = init_paged(config, rows, num_blocks, blocks_per_row, params["wte"].dtype, self.filler)
+        self.state = init_paged(config, rows, num_blocks, blocks_per_row, float_dtype(params), self.filler)
         self.state_spec, self.rules_spec = spec(self.state), spec(self.rules)
 
     def _device_rules(self) -> Any:

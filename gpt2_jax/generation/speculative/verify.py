@@ -36,7 +36,7 @@ from gpt2_jax.generation.speculative.propose import draft_prefill, draft_propose
 from gpt2_jax.model.axes import replicate
 from gpt2_jax.model.gpt2 import forward_cached
 from gpt2_jax.model.kv_cache import KVCache, init_cache
-from gpt2_jax.model.params import Params
+from gpt2_jax.model.params import Params, float_dtype
 
 
 class Stats(NamedTuple):
@@ -183,5 +183,5 @@ def start_draft(
     draft_params: Params, tokens: jax.Array, lengths: jax.Array, draft_config: GPT2Config, capacity: int
 ) -> KVCache:
     """The draft's cache of `capacity` slots holding the prompts [B, P] (lengths [B])."""
-    cache = init_cache(draft_config, tokens.shape[0], capacity, draft_params["wte"].dtype)
+    cache = init_cache(draft_config, tokens.shape[0], capacity, float_dtype(draft_params))
     return draft_prefill(draft_params, tokens, lengths, cache, draft_config)

@@ -1,0 +1,272 @@
+// rowdot_int8's arithmetic: y[m, n] = x[m] . w[n] with w int8 (gpt2_jax.model.precision: w ~= q * scale[n])
+// and x float32, every output exact up to one final rounding, so its bits depend on nothing but its row
+// and its weight row.
+//
+//   1. x's row m is rounded to int16 with one scale per row: xq = nearest(x * (32767 / max|x[m]|)),
+//      computed in double, so |xq| <= 32767 (a relative step of 1/65534 of the row's largest element;
+//      the weights' int8 step is 258x coarser).
+//   2. xq . q is summed exactly in integers: int32 lanes (vpdpwssd where the CPU has AVX512-VNNI,
+//      vpmaddwd + vpaddd otherwise, AVX-512 or AVX2), flushed into int64 totals before any lane can
+//      overflow. Integer sums are exact, so no order, tile shape, thread split, batch or instruction set
+//      changes them: the AVX2, AVX-512 and VNNI paths give the same bits by construction.
+//   3. y = (float)((double)total * x_scale[m] * w_scale[n]), one rounding to float32.
+//
+// Why integers rather than converting each q to float32 and running rowdot's multiply-adds: that takes
+// 3 instructions per 16 weights (widen, convert, fma) against 2 per 32 here (widen, vpdpwssd); a decode
+// step's few rows made the float form compute-bound at 12 GB/s on a 2-core Xeon, under the memory's speed.
+// (No XLA, no Python here: a plain C++ program can time it.)
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <limits>
+#include <string>
+
+#include "rowdot.h"  // Problem
+
+namespace int8 {
+
+using rowdot::Problem;
+
+constexpr int64_t kRowBlock = 64;  // x rows per work item
+constexpr int64_t kColBlock = 72;  // w rows per work item (a multiple of every tile's nr)
+constexpr int64_t kPad = 32;       // xq rows are zero-padded to a multiple of this
+
+inline int64_t Padded(int64_t K) { return (K + kPad - 1) / kPad * kPad; }
+
+// One row of x -> xq [Kp] (zeros past K) and its scale: max|x| / 32767; 0 for a zero row; NaN for a row
+// holding a NaN or an infinity (its outputs are then NaN, never a plausible number).
+__attribute__((target("avx2,fma"))) inline void QuantizeRow(const float* x, int64_t K, int64_t Kp, int16_t* xq,
+                                                            float* scale) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 top = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 v = _mm256_loadu_ps(x + k);
+    top = _mm256_max_ps(top, _mm256_and_ps(v, abs_mask));
+    odd = _mm256_or_ps(odd, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));  // NaN
+  }
+  alignas(32) float t[8], o[8];
+  _mm256_store_ps(t, top), _mm256_store_ps(o, odd);
+  float amax = 0.0f;
+  bool bad = false;
+  for (int l = 0; l < 8; ++l) amax = std::max(amax, t[l]), bad |= o[l] != 0.0f;
+  for (; k < K; ++k) amax = std::max(amax, std::fabs(x[k])), bad |= std::isnan(x[k]);
+  if (bad || !std::isfinite(amax) || amax == 0.0f) {
+    std::fill(xq, xq + Kp, int16_t{0});
+    *scale = amax == 0.0f && !bad ? 0.0f : std::numeric_limits<float>::quiet_NaN();
+    return;
+  }
+  const double inv = 32767.0 / static_cast<double>(amax);
+  const __m256d vinv = _mm256_set1_pd(inv);
+  for (k = 0; k + 8 <= K; k += 8) {  // x * inv in double, rounded to nearest (even), as std::nearbyint
+    __m128i lo = _mm256_cvtpd_epi32(_mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(x + k)), vinv));
+    __m128i hi = _mm256_cvtpd_epi32(_mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(x + k + 4)), vinv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + k), _mm_packs_epi32(lo, hi));
+  }
+  for (; k < K; ++k) xq[k] = static_cast<int16_t>(std::nearbyint(static_cast<double>(x[k]) * inv));
+  std::fill(xq + K, xq + Kp, int16_t{0});
+  *scale = amax / 32767.0f;
+}
+
+// ---------------------------------------------------------------------------------------------- tiles
+// MR rows of xq against NR rows of q over K (xq rows readable to Padded(K)) -> exact int64 dot products.
+
+__attribute__((target("avx512f"))) inline int64_t Sum512(__m512i a) {
+  __m512i lo = _mm512_cvtepi32_epi64(_mm512_castsi512_si256(a));
+  __m512i hi = _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(a, 1));
+  return _mm512_reduce_add_epi64(_mm512_add_epi64(lo, hi));
+}
+
+// A lane gets 2 products of at most 32767 x 127 per 32 k, so 8192 k stay below 2^31. The body twice: with
+// VNNI's vpdpwssd, and with vpmaddwd + vpaddd under a target without VNNI (so the compiler cannot fuse
+// them into the instruction a CPU without VNNI lacks).
+#define GPT2_JAX_INT8_TILE512(NAME, TARGET, MADD)                                                              \
+  template <int MR, int NR>                                                                                  \
+  __attribute__((target(TARGET))) inline void NAME##Step(const int16_t* const* x, const int8_t* const* w,     \
+                                                         int64_t k, int64_t at, __m512i (&acc)[MR][NR],      \
+                                                         int64_t ahead) {                                    \
+    __m512i wv[NR];                                                                                          \
+    _Pragma("GCC unroll 12") for (int j = 0; j < NR; ++j) {                                                  \
+      if (ahead && (at & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(w[j] + at + ahead), _MM_HINT_T1); \
+      wv[j] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[j] + at)));         \
+    }                                                                                                        \
+    _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i) {                                                   \
+      __m512i xv = _mm512_loadu_si512(x[i] + k);                                                             \
+      _Pragma("GCC unroll 12") for (int j = 0; j < NR; ++j) acc[i][j] = MADD(acc[i][j], xv, wv[j]);          \
+    }                                                                                                        \
+  }                                                                                                          \
+  template <int MR, int NR>                                                                                  \
+  __attribute__((target(TARGET))) void NAME(const int16_t* const* x, const int8_t* const* w, int64_t K,       \
+                                            int64_t* out, int64_t ahead) {                                   \
+    int64_t total[MR][NR] = {};                                                                              \
+    for (int64_t k0 = 0; k0 < K; k0 += 8192) {                                                               \
+      const int64_t k1 = std::min<int64_t>(K, k0 + 8192);                                                    \
+      __m512i acc[MR][NR];                                                                                   \
+      _Pragma("GCC unroll 8") for (int i = 0; i < MR; ++i)                                                   \
+        _Pragma("GCC unroll 12") for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_si512();            \
+      int64_t k = k0;                                                                                        \
+      for (; k + 32 <= k1; k += 32) NAME##Step<MR, NR>(x, w, k, k, acc, ahead);                              \
+      if (k < k1) { /* the last K % 32 weights, from zero-filled copies (x is zero there too) */             \
+        alignas(64) int8_t tail[NR][32];                                                                     \
+        const int8_t* ws[NR];                                                                                \
+        for (int j = 0; j < NR; ++j) {                                                                       \
+          for (int64_t l = 0; l < 32; ++l) tail[j][l] = k + l < k1 ? w[j][k + l] : 0;                        \
+          ws[j] = tail[j];                                                                                   \
+        }                                                                                                    \
+        NAME##Step<MR, NR>(x, ws, k, 0, acc, 0);                                                             \
+      }                                                                                                      \
+      for (int i = 0; i < MR; ++i)                                                                           \
+        for (int j = 0; j < NR; ++j) total[i][j] += Sum512(acc[i][j]);                                       \
+    }                                                                                                        \
+    for (int i = 0; i < MR; ++i)                                                                             \
+      for (int j = 0; j < NR; ++j) out[i * NR + j] = total[i][j];                                            \
+  }
+
+#define GPT2_JAX_VNNI(acc, x, w) _mm512_dpwssd_epi32(acc, x, w)
+#define GPT2_JAX_MADD(acc, x, w) _mm512_add_epi32(acc, _mm512_madd_epi16(x, w))
+GPT2_JAX_INT8_TILE512(TileVnni, "avx512f,avx512bw,avx512vnni", GPT2_JAX_VNNI)
+GPT2_JAX_INT8_TILE512(Tile512, "avx512f,avx512bw", GPT2_JAX_MADD)
+#undef GPT2_JAX_VNNI
+#undef GPT2_JAX_MADD
+#undef GPT2_JAX_INT8_TILE512
+
+__attribute__((target("avx2"))) inline int64_t Sum256(__m256i a) {
+  __m256i s = _mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_castsi256_si128(a)),
+                               _mm256_cvtepi32_epi64(_mm256_extracti128_si256(a, 1)));
+  alignas(32) int64_t v[4];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(v), s);
+  return v[0] + v[1] + v[2] + v[3];
+}
+
+// A lane gets 2 products per 16 k, so 4096 k stay below 2^31.
+template <int MR, int NR>
+__attribute__((target("avx2"))) inline void Step256(const int16_t* const* x, const int8_t* const* w, int64_t k,
+                                                    int64_t at, __m256i (&acc)[MR][NR], int64_t ahead) {
+  __m256i wv[NR];
+#pragma GCC unroll 12
+  for (int j = 0; j < NR; ++j) {
+    if (ahead && (at & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(w[j] + at + ahead), _MM_HINT_T1);
+    wv[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w[j] + at)));
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+    __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[i] + k));
+#pragma GCC unroll 12
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_add_epi32(acc[i][j], _mm256_madd_epi16(xv, wv[j]));
+  }
+}
+
+template <int MR, int NR>
+__attribute__((target("avx2"))) void Tile256(const int16_t* const* x, const int8_t* const* w, int64_t K, int64_t* out,
+                                             int64_t ahead) {
+  int64_t total[MR][NR] = {};
+  for (int64_t k0 = 0; k0 < K; k0 += 4096) {
+    const int64_t k1 = std::min<int64_t>(K, k0 + 4096);
+    __m256i acc[MR][NR];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 12
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_si256();
+    int64_t k = k0;
+    for (; k + 16 <= k1; k += 16) Step256<MR, NR>(x, w, k, k, acc, ahead);
+    if (k < k1) {
+      alignas(32) int8_t tail[NR][16];
+      const int8_t* ws[NR];
+      for (int j = 0; j < NR; ++j) {
+        for (int64_t l = 0; l < 16; ++l) tail[j][l] = k + l < k1 ? w[j][k + l] : 0;
+        ws[j] = tail[j];
+      }
+      Step256<MR, NR>(x, ws, k, 0, acc, 0);
+    }
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) total[i][j] += Sum256(acc[i][j]);
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) out[i * NR + j] = total[i][j];
+}
+
+// ------------------------------------------------------------------------------------- blocks and threads
+
+using TileFn = void (*)(const int16_t* const*, const int8_t* const*, int64_t, int64_t*, int64_t);
+
+struct Kernel {
+  int mr, nr;
+  TileFn tiles[9];  // tiles[r]: r xq rows (1 <= r <= mr) against nr q rows
+};
+
+// One or two rows (decode at B = 1, 2) take 2 x 8 tiles: many q rows share each x load and the fixed cost
+// of a tile; up to 8 rows one 8 x 3 tile, so each q vector loaded feeds every row; more take 4 x 6.
+struct Kernels {
+  const char* isa;
+  Kernel one, few, many;
+};
+
+#define GPT2_JAX_INT8_KERNELS(ISA, T)                                                                      \
+  Kernels {                                                                                              \
+    ISA, {2, 8, {nullptr, T<1, 8>, T<2, 8>}},                                                            \
+        {8, 3, {nullptr, T<1, 3>, T<2, 3>, T<3, 3>, T<4, 3>, T<5, 3>, T<6, 3>, T<7, 3>, T<8, 3>}},       \
+        {4, 6, {nullptr, T<1, 6>, T<2, 6>, T<3, 6>, T<4, 6>}}                                            \
+  }
+
+inline const Kernels& Pick() {
+  static const Kernels k = [] {
+    __builtin_cpu_init();
+    // GPT2_JAX_ROWDOT_ISA=avx2 takes the AVX2 path, =avx512 AVX-512 without VNNI (the tests compare them).
+    const char* env = std::getenv("GPT2_JAX_ROWDOT_ISA");
+    std::string forced = env == nullptr ? "" : env;
+    bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && forced != "avx2";
+    if (avx512 && __builtin_cpu_supports("avx512vnni") && forced != "avx512")
+      return GPT2_JAX_INT8_KERNELS("avx512-vnni", TileVnni);
+    if (avx512) return GPT2_JAX_INT8_KERNELS("avx512", Tile512);
+    return Kernels{"avx2",
+                   {1, 8, {nullptr, Tile256<1, 8>}},
+                   {2, 4, {nullptr, Tile256<1, 4>, Tile256<2, 4>}},
+                   {2, 4, {nullptr, Tile256<1, 4>, Tile256<2, 4>}}};
+  }();
+  return k;
+}
+
+inline const Kernel& For(int64_t rows) {
+  const Kernels& k = Pick();
+  return rows <= k.one.mr ? k.one : rows <= k.few.mr ? k.few : k.many;
+}
+
+// Rows [m0, m1) x columns [n0, n1) of y. A short last tile repeats its last row or column (computed the
+// same way, then dropped). The first row tile of each column tile prefetches the next column tile's q rows.
+inline void Block(const Problem& p, const Kernel& kern, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+  const int64_t ahead = kern.nr * p.K;  // bytes from a q row to the same k in the next tile's row
+  int64_t out[48];
+  const int16_t* xs[8];
+  const int8_t* ws[12];
+  for (int64_t n = n0; n < n1; n += kern.nr) {
+    int64_t nn = std::min<int64_t>(kern.nr, n1 - n);
+    for (int j = 0; j < kern.nr; ++j) ws[j] = p.wq + (n + std::min<int64_t>(j, nn - 1)) * p.K;
+    for (int64_t m = m0; m < m1; m += kern.mr) {
+      int64_t mm = std::min<int64_t>(kern.mr, m1 - m);
+      for (int i = 0; i < mm; ++i) xs[i] = p.xq + (m + i) * p.Kp;
+      kern.tiles[mm](xs, ws, p.K, out, m == m0 ? ahead : 0);
+      for (int i = 0; i < mm; ++i) {
+        const double sx = p.x_scale[m + i];
+        for (int j = 0; j < nn; ++j)
+          p.y[(m + i) * p.N + n + j] =
+              static_cast<float>(static_cast<double>(out[i * kern.nr + j]) * sx * static_cast<double>(p.w_scale[n + j]));
+      }
+    }
+  }
+}
+
+inline int64_t RowBlocks(const Problem& p) { return (p.M + kRowBlock - 1) / kRowBlock; }
+inline int64_t Items(const Problem& p) { return int8::RowBlocks(p) * ((p.N + kColBlock - 1) / kColBlock); }
+
+inline void Item(const Problem& p, int64_t row_blocks, int64_t i) {
+  int64_t rb = i % row_blocks, cb = i / row_blocks;
+  Block(p, For(p.M), rb * kRowBlock, std::min(p.M, (rb + 1) * kRowBlock), cb * kColBlock,
+        std::min(p.N, (cb + 1) * kColBlock));
+}
+
+}  // namespace int8
