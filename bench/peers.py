@@ -47,6 +47,8 @@ ROWS = [  # label, engine, precision, bytes per matmul weight, bytes per KV cach
     ("OpenVINO + nncf", "openvino", "int8", 1.0, 4, {}),
     ("llama.cpp", "llama.cpp", "f32", 4.0, 4, {}),
     ("llama.cpp", "llama.cpp", "q8_0", 34 / 32, 2, {}),  # its KV cache f16, llama.cpp's default
+    # without llama.cpp's repacked (AMX) weight buffers, whose q8_0 decode segfaulted on a Xeon with AMX
+    ("llama.cpp, no extra buffers", "llama.cpp", "q8_0", 34 / 32, 2, {"GPT2_JAX_PEERS_LLAMA_EXTRA_BUFTS": "0"}),
     ("CTranslate2", "ctranslate2", "float32", 4.0, 4, {}),
     ("CTranslate2", "ctranslate2", "int8", 1.0, 4, {}),
 ]

@@ -292,7 +292,11 @@ def engine_llama_cpp(ckpt: Path, work: Path, threads: int, precision: str):
     global _quiet  # the callback must outlive the call
     _quiet = lc.llama_log_callback(lambda *a: None)
     lc.llama_log_set(_quiet, None)
-    model = lc.llama_model_load_from_file(str(path).encode(), lc.llama_model_default_params())
+    mparams = lc.llama_model_default_params()
+    # GPT2_JAX_PEERS_LLAMA_EXTRA_BUFTS=0: without llama.cpp's repacked/AMX weight buffers (its q8_0 decode
+    # segfaulted with them on a Xeon with AMX, llama-cpp-python 0.3.36 built from source there)
+    mparams.use_extra_bufts = os.environ.get("GPT2_JAX_PEERS_LLAMA_EXTRA_BUFTS", "1") != "0"
+    model = lc.llama_model_load_from_file(str(path).encode(), mparams)
     params = lc.llama_context_default_params()
     params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = 8 * 256, 512, 512, 8
     params.n_threads = params.n_threads_batch = threads
