@@ -143,7 +143,7 @@ def engine_gpt2_jax(ckpt: Path, work: Path, threads: int, precision: str):
         return np.asarray(gpt2_jax.forward(params, prompts, config))[:, -1]
 
     isa = os.environ.get("GPT2_JAX_ROWDOT_ISA")
-    q = ", int8 weight-only (rowdot_int8), float32 activations" if precision == "int8" else ""
+    q = f", int8 weights (rowdot_int8, {kernels.int8_isa()}), int16-rounded activations" if precision == "int8" else ""
     info = f"jax {jax.__version__}, kernels {kernels.available()}" + (f", forced {isa}" if isa else "") + q
     return gen, info, logits
 

@@ -4,7 +4,8 @@
 
 Perplexity: the bundled model on the Shakespeare val split (156,600 tokens, `gpt2-jax data shakespeare`;
 --data reuses a prepared directory, else it is fetched into a temp dir), every token scored once, in
-windows of 256 with the previous 128 tokens as context (the first window: none).
+consecutive windows of 256 tokens (each window's first token predicted from nothing but the previous
+window's last: none, as nanoGPT's eval does; the last partial window dropped).
 
 Models: the bundled Shakespeare GPT-2 (trained weights, stored in bfloat16, upcast for the float32
 reference) and a GPT-2 124M with GPT-2's random initialisation. Input: the opening of Hamlet's
@@ -65,22 +66,17 @@ def val_tokens(data: str | None) -> np.ndarray:
     return np.asarray(TokenData(data).splits["val"], np.int32)
 
 
-def perplexity(params, config, val: np.ndarray, window: int = 256, context: int = 128, batch: int = 16) -> float:
-    """exp(mean NLL) of every val token after the first, each scored once with >= `context` tokens before it
-    (but in the first window)."""
-    step = window - context
-    starts = list(range(0, len(val) - window, step))
+def perplexity(params, config, val: np.ndarray, window: int = 256, batch: int = 8) -> float:
+    """exp(mean NLL) of the val tokens, in consecutive windows of `window` predictions."""
+    starts = list(range(0, len(val) - window - 1, window))
     score = jax.jit(lambda p, x: -jnp.take_along_axis(jax.nn.log_softmax(gpt2_jax.model.apply(p, x[:, :-1], config)),
-                                                      x[:, 1:, None], -1)[..., 0])  # fmt: skip
-    total, count = 0.0, 0
+                                                      x[:, 1:, None], -1)[..., 0].sum())  # fmt: skip
+    total = 0.0
     for i in range(0, len(starts), batch):
         rows = starts[i : i + batch]
-        x = np.stack([val[s : s + window + 1] for s in rows + [rows[-1]] * (batch - len(rows))])
-        nll = np.asarray(score(params, x), np.float64)[: len(rows)]
-        for r, s in enumerate(rows):  # the first window's every token; after, only those past the context
-            first = 0 if s == 0 else context
-            total, count = total + nll[r, first:].sum(), count + nll.shape[1] - first
-    return float(np.exp(total / count))
+        x = np.stack([val[s : s + window + 1] for s in rows])
+        total += float(score(params, x))  # a last short batch compiles once more
+    return float(np.exp(total / (len(starts) * window)))
 
 
 def main() -> None:
