@@ -20,7 +20,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "--dtype",
         choices=["float32", "bfloat16", "int8"],
         default=None,
-        help="cast the weights (default: keep); int8 = weight-only int8, stored quantized (gpt2_jax.model.precision)",
+        help="cast the weights; int8 = weight-only int8, stored quantized (gpt2_jax.model.precision) (default: keep)",
     )
     parser.add_argument("--force", action="store_true", help="replace dst if it exists")
     parser.add_argument("--to-hf", action="store_true", help="write a HuggingFace directory instead of orbax")
