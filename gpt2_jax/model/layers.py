@@ -29,7 +29,6 @@ from gpt2_jax.model.dropout import dropout
 from gpt2_jax.model.layer_loop import apply_weight, take
 
 F32 = jnp.float32
-BF16 = jnp.bfloat16
 XLA_MIN_ROWS = 4  # XLA's matmul keeps a row's bits for any row count from here on (see matmul)
 
 
