@@ -18,7 +18,12 @@ setup(
         Extension(
             "gpt2_jax.kernels._cpu",
             sources=["gpt2_jax/kernels/cpu.cc"],
-            depends=["gpt2_jax/kernels/rowdot.h", "gpt2_jax/kernels/chain.h", "gpt2_jax/kernels/int8.h"],
+            depends=[
+                "gpt2_jax/kernels/rowdot.h",
+                "gpt2_jax/kernels/chain.h",
+                "gpt2_jax/kernels/int8.h",
+                "gpt2_jax/kernels/amx.h",
+            ],
             include_dirs=[_xla_include()],
             language="c++",
             # -ffp-contract=off: no multiply-add the source does not spell out, so the rounding is the

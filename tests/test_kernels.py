@@ -157,24 +157,32 @@ import sys, numpy as np
 from gpt2_jax import kernels
 assert kernels.int8_isa() == sys.argv[2], kernels.int8_isa()
 rng = np.random.default_rng(4)
-x = rng.standard_normal((11, 3100), np.float32); q = rng.integers(-127, 128, (29, 3100), dtype=np.int8)
-np.save(sys.argv[1], np.asarray(kernels.rowdot_int8(x, q, np.full(29, 0.02, np.float32))))
+for K, path in ((3100, sys.argv[1]), (3072, sys.argv[3])):  # a K tail; a K that AMX's tiles take
+    x = rng.standard_normal((40, K), np.float32); q = rng.integers(-128, 128, (45, K), dtype=np.int8)
+    np.save(path, np.asarray(kernels.rowdot_int8(x, q, np.full(45, 0.02, np.float32))))
 """
+INT8_ISAS = ["avx2", "avx512", "avx512-vnni", "amx-int8"]  # each runs everything before it, when forced
 
 
-@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+@pytest.mark.parametrize("isa", INT8_ISAS[:-1])
 def test_every_int8_instruction_set_gives_the_reference_bits(tmp_path, isa):
-    """VNNI's vpdpwssd, AVX-512's and AVX2's vpmaddwd (forced in fresh processes) sum the same integers."""
-    if kernels.int8_isa() != "avx512-vnni" and not (isa == "avx2" and kernels.int8_isa() == "avx512"):
-        pytest.skip(f"needs a CPU with more than {isa} to force it (this one: {kernels.int8_isa()})")
-    out = tmp_path / "y.npy"
+    """AMX's byte tiles, VNNI's vpdpwssd, AVX-512's and AVX2's vpmaddwd (forced in fresh processes) sum the
+    same integers: the bits of 40 rows (AMX's 16-row tiles and a part-filled one; AMX takes 16 rows or more)
+    against 45 weight rows (its 32-column steps and a tail)."""
+    here = kernels.int8_isa()
+    if here not in INT8_ISAS or INT8_ISAS.index(here) <= INT8_ISAS.index(isa):
+        pytest.skip(f"needs a CPU with more than {isa} to force it (this one: {here})")
+    outs = tmp_path / "tail.npy", tmp_path / "even.npy"
     env = dict(os.environ, GPT2_JAX_ROWDOT_ISA=isa, JAX_PLATFORMS="cpu")
-    subprocess.run([sys.executable, "-c", _INT8_SCRIPT, str(out), isa], check=True, env=env, timeout=300)
+    subprocess.run(
+        [sys.executable, "-c", _INT8_SCRIPT, str(outs[0]), isa, str(outs[1])], check=True, env=env, timeout=300
+    )
     rng = np.random.default_rng(4)
-    x, q = rng.standard_normal((11, 3100), np.float32), rng.integers(-127, 128, (29, 3100), dtype=np.int8)
-    s = np.full(29, 0.02, np.float32)
-    assert (bits(np.load(out)) == bits(int8_reference(x, q, s))).all()
-    assert (bits(np.load(out)) == bits(rowdot_int8(x, q, s))).all()
+    for K, out in zip((3100, 3072), outs):
+        x, q = rng.standard_normal((40, K), np.float32), rng.integers(-128, 128, (45, K), dtype=np.int8)
+        s = np.full(45, 0.02, np.float32)
+        assert (bits(np.load(out)) == bits(int8_reference(x, q, s))).all(), (isa, K)
+        assert (bits(np.load(out)) == bits(rowdot_int8(x, q, s))).all(), (isa, K)
 
 
 def test_model_matmuls_go_through_rowdot():

@@ -139,6 +139,13 @@ ffi::Error RowDotInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   for (int64_t m = 0; m < M; ++m) int8::QuantizeRow(x.typed_data() + m * K, K, Kp, xq.data() + m * Kp, &x_scale[m]);
   Problem p{x.typed_data(), nullptr, y->typed_data(), M, N, K};
   p.wq = w.typed_data(), p.w_scale = scale.typed_data(), p.xq = xq.data(), p.x_scale = x_scale.data(), p.Kp = Kp;
+  std::vector<int8_t> x_hi;
+  std::vector<uint8_t> x_lo;
+  if (int8::OnAmx(p)) {  // the rows split into bytes, packed as AMX's tiles read them (amx.h)
+    x_hi.resize(static_cast<size_t>(amx::PackedBytes(M, K))), x_lo.resize(x_hi.size());
+    amx::Pack(xq.data(), M, K, Kp, x_hi.data(), x_lo.data());
+    p.x_hi = x_hi.data(), p.x_lo = x_lo.data();
+  }
   Run(pool, p, 1, 0, 0, false);
   return ffi::Error::Success();
 }
@@ -301,7 +308,7 @@ static PyMethodDef kMethods[] = {
     {"handler_chain_paged", Capsule<GPT2JaxChainPaged>, METH_NOARGS, "handler_chain reading a paged KV cache."},
     {"handler_cumsum", Capsule<GPT2JaxCumSum>, METH_NOARGS, "cumsum: float32 prefix sums accumulated in float64."},
     {"isa", Isa, METH_NOARGS, "Which instruction set the kernel runs with here: 'avx512' or 'avx2'."},
-    {"isa_int8", IsaInt8, METH_NOARGS, "rowdot_int8's instruction set here: 'avx512-vnni', 'avx512' or 'avx2'."},
+    {"isa_int8", IsaInt8, METH_NOARGS, "rowdot_int8's instruction set here: 'amx-int8', 'avx512-vnni', 'avx512' or 'avx2'."},
     {"usable", Usable, METH_NOARGS, "Whether this CPU has what the kernel needs (AVX2 and FMA)."},
     {nullptr, nullptr, 0, nullptr}};
 

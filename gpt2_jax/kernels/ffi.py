@@ -168,7 +168,7 @@ def rowdot_int8(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
 
 
 def int8_isa() -> str | None:
-    """The instruction set rowdot_int8 runs with here ("avx512-vnni", "avx512" or "avx2"), or None where
+    """The instruction set rowdot_int8 runs with here ("amx-int8", "avx512-vnni", "avx512" or "avx2"), or None where
     XLA's matmul stands in."""
     return _cpu.isa_int8() if _REGISTERED else None
 

@@ -7,8 +7,9 @@
 //      the weights' int8 step is 258x coarser).
 //   2. xq . q is summed exactly in integers: int32 lanes (vpdpwssd where the CPU has AVX512-VNNI,
 //      vpmaddwd + vpaddd otherwise, AVX-512 or AVX2), flushed into int64 totals before any lane can
-//      overflow. Integer sums are exact, so no order, tile shape, thread split, batch or instruction set
-//      changes them: the AVX2, AVX-512 and VNNI paths give the same bits by construction.
+//      overflow; with 16 rows or more on a CPU with AMX, its byte tiles (amx.h). Integer sums are exact,
+//      so no order, tile shape, thread split, batch or instruction set changes them: the AVX2, AVX-512,
+//      VNNI and AMX paths give the same bits by construction.
 //   3. y = (float)((double)total * x_scale[m] * w_scale[n]), one rounding to float32.
 //
 // Why integers rather than converting each q to float32 and running rowdot's multiply-adds: that takes
@@ -26,6 +27,7 @@
 #include <limits>
 #include <string>
 
+#include "amx.h"
 #include "rowdot.h"  // Problem
 
 namespace int8 {
@@ -34,6 +36,8 @@ using rowdot::Problem;
 
 constexpr int64_t kRowBlock = 64;  // x rows per work item
 constexpr int64_t kColBlock = 72;  // w rows per work item (a multiple of every tile's nr)
+constexpr int64_t kAmxColBlock = 128;  // with AMX: 4 of its 32-column steps
+constexpr int64_t kAmxMinRows = 16;    // fewer x rows than this stay on VNNI (OnAmx)
 constexpr int64_t kPad = 32;       // xq rows are zero-padded to a multiple of this
 
 inline int64_t Padded(int64_t K) { return (K + kPad - 1) / kPad * kPad; }
@@ -204,6 +208,7 @@ struct Kernel {
 struct Kernels {
   const char* isa;
   Kernel one, few, many;
+  bool amx = false;  // problems that fit (amx::Fits) take AMX's tiles; the columns past its last step, these
 };
 
 #define GPT2_JAX_INT8_KERNELS(ISA, T)                                                                      \
@@ -216,12 +221,16 @@ struct Kernels {
 inline const Kernels& Pick() {
   static const Kernels k = [] {
     __builtin_cpu_init();
-    // GPT2_JAX_ROWDOT_ISA=avx2 takes the AVX2 path, =avx512 AVX-512 without VNNI (the tests compare them).
+    // GPT2_JAX_ROWDOT_ISA=avx2 takes the AVX2 path, =avx512 AVX-512 without VNNI, =avx512-vnni VNNI without
+    // AMX (the tests compare them).
     const char* env = std::getenv("GPT2_JAX_ROWDOT_ISA");
     std::string forced = env == nullptr ? "" : env;
     bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && forced != "avx2";
-    if (avx512 && __builtin_cpu_supports("avx512vnni") && forced != "avx512")
-      return GPT2_JAX_INT8_KERNELS("avx512-vnni", TileVnni);
+    if (avx512 && __builtin_cpu_supports("avx512vnni") && forced != "avx512") {
+      Kernels vnni = GPT2_JAX_INT8_KERNELS("avx512-vnni", TileVnni);
+      if (forced != "avx512-vnni" && amx::Usable()) vnni.isa = "amx-int8", vnni.amx = true;
+      return vnni;
+    }
     if (avx512) return GPT2_JAX_INT8_KERNELS("avx512", Tile512);
     return Kernels{"avx2",
                    {1, 8, {nullptr, Tile256<1, 8>}},
@@ -260,13 +269,27 @@ inline void Block(const Problem& p, const Kernel& kern, int64_t m0, int64_t m1, 
   }
 }
 
+// Whether the problem runs on AMX's tiles (its x packed for them: see cpu.cc): only with kAmxMinRows rows
+// or more. A tile holds 16 rows of x, so with fewer most of each tile multiply is padding, and on the
+// machines measured (docs/kernels.md) VNNI was faster for decode's few rows and AMX for a prefill's many.
+// The bits are the same either way, so which one a call takes never shows in its output.
+inline bool OnAmx(const Problem& p) { return Pick().amx && amx::Fits(p.K) && p.M >= kAmxMinRows; }
+
+inline int64_t ColBlock(const Problem& p) { return p.x_hi != nullptr ? kAmxColBlock : kColBlock; }
 inline int64_t RowBlocks(const Problem& p) { return (p.M + kRowBlock - 1) / kRowBlock; }
-inline int64_t Items(const Problem& p) { return int8::RowBlocks(p) * ((p.N + kColBlock - 1) / kColBlock); }
+inline int64_t Items(const Problem& p) { return int8::RowBlocks(p) * ((p.N + ColBlock(p) - 1) / ColBlock(p)); }
 
 inline void Item(const Problem& p, int64_t row_blocks, int64_t i) {
-  int64_t rb = i % row_blocks, cb = i / row_blocks;
-  Block(p, For(p.M), rb * kRowBlock, std::min(p.M, (rb + 1) * kRowBlock), cb * kColBlock,
-        std::min(p.N, (cb + 1) * kColBlock));
+  const int64_t rb = i % row_blocks, cb = i / row_blocks, cols = ColBlock(p);
+  const int64_t m0 = rb * kRowBlock, m1 = std::min(p.M, m0 + kRowBlock);
+  int64_t n0 = cb * cols;
+  const int64_t n1 = std::min(p.N, n0 + cols);
+  if (p.x_hi != nullptr) {
+    const int64_t steps = (n1 - n0) / amx::kCols;
+    amx::Block(p, m0, m1, n0, steps, n1 < p.N ? 1 : 0);
+    n0 += steps * amx::kCols;
+  }
+  if (n0 < n1) Block(p, For(p.M), m0, m1, n0, n1);
 }
 
 }  // namespace int8

@@ -191,6 +191,9 @@ struct Problem {
   const int16_t* xq = nullptr;
   const float* x_scale = nullptr;
   int64_t Kp = 0;
+  // x's rows split into bytes and packed for AMX's tiles (amx.h), or null where the tiles are not used.
+  const int8_t* x_hi = nullptr;
+  const uint8_t* x_lo = nullptr;
 };
 
 inline int64_t MaxEnd(const Problem& p, int64_t m, int64_t mm) {
