@@ -12,7 +12,8 @@ compute each output by the same instructions whatever M is:
   rowdot  one dot product: 16 lane-wise accumulators in k order, then one fixed tree over the lanes. It
           streams [out, in] weights at close to the memory's speed for a decode step's few rows.
   rowdot_int8  x @ w.T with w int8 and a float32 scale per output (gpt2_jax.model.precision's int8): x's
-          rows rounded to int16, the dot products summed exactly in integers (VNNI where present), one
+          rows rounded to int16, the dot products summed exactly in integers (VNNI where present, and
+          AMX's int8 tiles for 16 rows or more where the CPU has them: a prefill, a large batch), one
           rounding at the end; bits independent of the batch and of the instruction set by construction.
   chain   one fused multiply-add chain in k order, lanes over outputs, no lane sums: fast for
           attention's short dot products (64 for the scores), where rowdot's lane sums cost as much as
@@ -32,7 +33,11 @@ batch shapes.
 
   ffi.py        the XLA FFI targets, rowdot / chain / cumsum and their custom VJPs
   invariance.py what else keeps a row's bits batch-independent on XLA's CPU backend (row padding)
-  cpu.cc        the Python module and FFI handlers; the arithmetic is rowdot.h, chain.h and int8.h
+  cpu.cc        the Python module and FFI handlers; the arithmetic is rowdot.h, chain.h, int8.h and amx.h
+
+GPT2_JAX_ROWDOT_ISA (read once per process) forces an older instruction set where the CPU has a newer one:
+avx2 (both kernels), avx512 (int8 without VNNI), avx512-vnni (int8 without AMX). The tests use it to
+check that every path gives the same bits; available() and int8_isa() say what runs.
 """
 
 from gpt2_jax.kernels.ffi import (

@@ -271,7 +271,7 @@ inline void Block(const Problem& p, const Kernel& kern, int64_t m0, int64_t m1, 
 
 // Whether the problem runs on AMX's tiles (its x packed for them: see cpu.cc): only with kAmxMinRows rows
 // or more. A tile holds 16 rows of x, so with fewer most of each tile multiply is padding, and on the
-// machines measured (docs/kernels.md) VNNI was faster for decode's few rows and AMX for a prefill's many.
+// machine measured (amx.h) VNNI was faster for decode's few rows and AMX for a prefill's many.
 // The bits are the same either way, so which one a call takes never shows in its output.
 inline bool OnAmx(const Problem& p) { return Pick().amx && amx::Fits(p.K) && p.M >= kAmxMinRows; }
 
