@@ -9,6 +9,8 @@ runs in its own worker process (a peer that is missing, fails to convert or cras
 row; the bench goes on), pinned to the same cores and thread count, and the workers take turns within each
 repeat as best_of_each does (bench/timing.py), best of each kept. Greedy, 32-token prompts, no EOS stopping
 anywhere; per step = (t(129 new) - t(1 new)) / 128, so the prefill cancels. Each worker times its own calls.
+Prefill: t(one 512-token prompt, 1 new) at B=1 (`--prefill 0` skips it), its bound the float32 matmul FLOP/s
+bench/machine.py measures (2 x parameters x tokens FLOPs; int8 engines can pass it, fp32 ones hardly).
 
 Bound of a row: the bytes it must read per decode step (its matmul weights at its own precision, 4 bytes
 for fp32, 1 for int8, 34/32 for q8_0; the fp32 biases and LayerNorms; the KV cache at S = 32 + 128, fp32
@@ -38,6 +40,8 @@ PROMPT, NEW = 32, 128
 ROWS = [  # label, engine, precision, bytes per matmul weight, bytes per KV cache element, extra env
     ("gpt2_jax", "gpt2_jax", "fp32", 4.0, 4, {}),
     ("gpt2_jax", "gpt2_jax", "int8", 1.0, 4, {}),
+    # on a CPU with AMX, int8 as it runs without AMX's tiles (VNNI alone)
+    ("gpt2_jax, forced avx512-vnni", "gpt2_jax", "int8", 1.0, 4, {"GPT2_JAX_ROWDOT_ISA": "avx512-vnni"}),
     ("gpt2_jax, forced avx2 kernels", "gpt2_jax", "fp32", 4.0, 4, {"GPT2_JAX_ROWDOT_ISA": "avx2"}),
     ("gpt2_jax, forced avx2 kernels", "gpt2_jax", "int8", 1.0, 4, {"GPT2_JAX_ROWDOT_ISA": "avx2"}),
     ("transformers (PyTorch eager)", "transformers", "fp32", 4.0, 4, {}),
@@ -54,8 +58,8 @@ ROWS = [  # label, engine, precision, bytes per matmul weight, bytes per KV cach
 ]
 
 
-def prompts(B: int):
-    return np.random.default_rng(0).integers(0, 50256, (8, PROMPT))[:B]
+def prompts(B: int, T: int = PROMPT):
+    return np.random.default_rng(0).integers(0, 50256, (8, T))[:B]
 
 
 def worker(engine: str, precision: str, work: Path, threads: int) -> None:
@@ -80,8 +84,8 @@ def worker(engine: str, precision: str, work: Path, threads: int) -> None:
             answer.write(json.dumps({"path": str(out)}) + "\n")
             answer.flush()
             continue
-        B, n = map(int, line.split())
-        p = prompts(B)
+        B, n, T = map(int, line.split())
+        p = prompts(B, T)
         t = time.perf_counter()
         tokens = gen(p, n)
         s = time.perf_counter() - t
@@ -113,10 +117,10 @@ class Worker:
         self.skip = f"worker died (exit {self.proc.wait()}): {tail[0][:160]}" if line == "" else "timed out"
         return None
 
-    def run(self, B: int, n: int, timeout: float):
+    def run(self, B: int, n: int, timeout: float, T: int = PROMPT):
         if self.skip:
             return None
-        self.proc.stdin.write(f"{B} {n}\n")
+        self.proc.stdin.write(f"{B} {n} {T}\n")
         self.proc.stdin.flush()
         return self.read(timeout)
 
@@ -142,6 +146,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill row (0: none)")
     parser.add_argument("--only", default="", help="comma-separated engines (gpt2_jax, transformers, ...)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds a worker may take for one answer")
     args = parser.parse_args()
@@ -209,12 +214,32 @@ def main() -> None:
                 results[w, B] = dict(step=step, bound=bound, agree=agree)
                 print(f"B={B} {w.name:40s} {step * 1e3:7.1f} ms/step | bound {bound * 1e3:5.1f} ms, "
                       f"{step / bound:4.2f}x of bound | tokens equal to transformers' {agree}", flush=True)  # fmt: skip
-        table(workers, results, args.batches, errors)
+        prefill = prefill_times(workers, args, 2 * (matmul + other) * args.prefill / machine["flops"])
+        table(workers, results, args.batches, errors, prefill)
     finally:
         for w in workers:
             w.close()
         shutil.rmtree(work, ignore_errors=True)
     print(f"load average at the end {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+def prefill_times(workers, args, bound: float) -> dict:
+    """Best of --repeats of t(one --prefill-token prompt, 1 new) at B=1, workers in turns: {worker: seconds}."""
+    if not args.prefill:
+        return {}
+    live, best = [w for w in workers if not w.skip], {}
+    for w in live:
+        w.run(1, 1, args.timeout, args.prefill)  # warm-up: compiles, first-touch allocations
+    for _ in range(args.repeats):
+        for w in live:
+            time.sleep(0.2)
+            reply = w.run(1, 1, args.timeout, args.prefill)
+            if reply:
+                best[w] = min(best.get(w, np.inf), reply["s"])
+    for w, s in best.items():
+        print(f"prefill {args.prefill} + 1 new, B=1, {w.name:40s} {s * 1e3:7.1f} ms | FLOP bound {bound * 1e3:5.1f} ms, "
+              f"{s / bound:4.2f}x of bound", flush=True)  # fmt: skip
+    return {w: (s, bound) for w, s in best.items()}
 
 
 def logit_errors(workers, timeout: float) -> dict:
@@ -240,14 +265,15 @@ def logit_errors(workers, timeout: float) -> dict:
     return out
 
 
-def table(workers, results, batches: str, errors: dict) -> None:
+def table(workers, results, batches: str, errors: dict, prefill: dict) -> None:
     Bs = list(map(int, batches.split(",")))
     mine = next((w for w in workers if w.label == "gpt2_jax"), None)
     ours = {B: results.get((mine, B), {}).get("step") for B in Bs}
     head = " | ".join(f"B={B} ms/step (of bound) | B={B} vs gpt2_jax" for B in Bs)
+    head += " | prefill ms (of FLOP bound) | prefill vs gpt2_jax" if prefill else ""
     print(f"\n| engine | weights | {head} | tokens equal to transformers' (B={', B='.join(map(str, Bs))}) | "
           "logit error vs fp32: max rel / mean rel / top-1 |")  # fmt: skip
-    print("| --- | --- |" + " --- | --- |" * len(Bs) + " --- | --- |")
+    print("| --- | --- |" + " --- | --- |" * (len(Bs) + bool(prefill)) + " --- | --- |")
     for w in workers:
         if w.skip:
             print(f"| {w.label} | {w.precision} | skipped: {w.skip} |")
@@ -261,6 +287,11 @@ def table(workers, results, batches: str, errors: dict) -> None:
             ratio = f"{r['step'] / ours[B]:.2f}x" if ours.get(B) and w is not mine else ""
             cells += [f"{r['step'] * 1e3:.1f} ({r['step'] / r['bound']:.2f}x)", ratio]
             agree.append(r["agree"] or "-")
+        if prefill:  # against gpt2_jax's first row (fp32), as the decode columns
+            s, bound = prefill.get(w, (None, None))
+            base = prefill.get(mine, (None,))[0]
+            ratio = f"{s / base:.2f}x" if s and base and w is not mine else ""
+            cells += [f"{s * 1e3:.1f} ({s / bound:.2f}x)" if s else "failed", ratio]
         print(f"| {w.label} | {w.precision} | {' | '.join(cells)} | {'; '.join(agree)} | {errors.get(w, '-')} |")
     print("(vs gpt2_jax: the row's ms/step over gpt2_jax's; above 1.00x gpt2_jax is faster)")
     for w in workers:

@@ -298,7 +298,8 @@ def engine_llama_cpp(ckpt: Path, work: Path, threads: int, precision: str):
     mparams.use_extra_bufts = os.environ.get("GPT2_JAX_PEERS_LLAMA_EXTRA_BUFTS", "1") != "0"
     model = lc.llama_model_load_from_file(str(path).encode(), mparams)
     params = lc.llama_context_default_params()
-    params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = 8 * 256, 512, 512, 8
+    # 640 positions per sequence: peers.py's 512-token prefill prompt and its new token fit one sequence
+    params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = 8 * 640, 512, 512, 8
     params.n_threads = params.n_threads_batch = threads
     if precision == "f32":  # an f32 KV cache too (llama.cpp's default is f16; q8_0 keeps that default)
         params.type_k = params.type_v = lc.GGML_TYPE_F32
