@@ -208,7 +208,7 @@ struct Kernel {
 struct Kernels {
   const char* isa;
   Kernel one, few, many;
-  bool amx = false;  // problems that fit (amx::Fits) take AMX's tiles; the columns past its last step, these
+  bool amx = false;  // AMX usable: problems OnAmx accepts take its tiles; columns past its last step, these
 };
 
 #define GPT2_JAX_INT8_KERNELS(ISA, T)                                                                      \
