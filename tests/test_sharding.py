@@ -54,7 +54,9 @@ def test_sharded_forward_matches_one_device_and_transformers(model, mesh_shape):
     assert rel_err(sharded, hf_logits(hf, tokens)) <= 1e-5
 
 
-@pytest.mark.parametrize("mesh_shape", MESHES, ids=IDS)
+# generate's programs are the slowest here to compile for a mesh (40-90 s each on a 2-core machine): the pure data
+# split (8 devices, 3 ragged rows padded) and both axes at once; forward above covers all four meshes.
+@pytest.mark.parametrize("mesh_shape", [(8, 1), (2, 4)], ids=["data8xmodel1", "data2xmodel4"])
 def test_sharded_generate_gives_the_same_tokens(model, mesh_shape):
     _, params, config = model
     sharded = shard_params(params, config, make_mesh(*mesh_shape))
@@ -69,8 +71,8 @@ def test_sharded_generate_gives_the_same_tokens(model, mesh_shape):
         assert rel_err(many.logprobs, one.logprobs) <= 1e-5
 
 
-def test_sharded_stream_gives_the_same_tokens(model):
-    _, params, config = model
+def test_sharded_stream_gives_the_same_tokens(models):
+    _, params, config = models[128]  # wte split over "model" too
     sharded = shard_params(params, config, make_mesh(2, 4))
     one = generate(params, config, PROMPTS, jax.random.key(7), max_new_tokens=12, eos_id=None, **SAMPLED)
     streamed = [t for t, _ in generate_stream(sharded, config, PROMPTS, jax.random.key(7), max_new_tokens=12,
