@@ -23,6 +23,7 @@ setup(
                 "gpt2_jax/kernels/chain.h",
                 "gpt2_jax/kernels/int8.h",
                 "gpt2_jax/kernels/amx.h",
+                "gpt2_jax/kernels/vnni_rows.h",
             ],
             include_dirs=[_xla_include()],
             language="c++",

@@ -20,7 +20,7 @@ from gpt2_jax.kernels import chain, rowdot, rowdot_int8
 
 pytestmark = pytest.mark.skipif(kernels.available() is None, reason="rowdot not built on this machine")
 
-SHAPES = [(768, 2304), (3072, 768), (770, 50), (13, 7)]  # (K, N): GPT-2's, odd widths, a tail of K % 16
+SHAPES = [(768, 2304), (3072, 768), (770, 50), (13, 7), (100, 30)]  # (K, N): GPT-2's, odd widths, tails of K % 16, K % 64
 
 
 def bits(a) -> np.ndarray:
@@ -134,7 +134,7 @@ def test_rowdot_int8_is_exact_integer_arithmetic_for_any_row_count(K, N):
     exact = (x.astype(np.float64) @ q.T.astype(np.float64)) * s
     bound = np.abs(x).max(1, keepdims=True).astype(np.float64) / 65534 * (np.abs(q).sum(1) * s)[None]
     assert np.all(np.abs(full - exact) <= bound * (1 + 1e-6) + 1e-6 * np.abs(exact))
-    for M in (1, 2, 3, 8, 9, 65):
+    for M in (1, 2, 3, 4, 5, 8, 9, 15, 65):  # int8.h's tiles, vnni_rows.h's groups of 4 and 8, AMX's 16
         for start in (0, 5):
             rows = slice(start, start + M)
             assert (bits(f(x[rows], q, s)) == bits(full[rows])).all(), (M, start)

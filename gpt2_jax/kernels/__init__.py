@@ -15,6 +15,8 @@ compute each output by the same instructions whatever M is:
           rows rounded to int16, the dot products summed exactly in integers (VNNI where present, and
           AMX's int8 tiles for 16 rows or more where the CPU has them: a prefill, a large batch), one
           rounding at the end; bits independent of the batch and of the instruction set by construction.
+          With VNNI, 3 to 15 rows (a decode step at B = 4 or 8; any count of 3 or more without AMX) run
+          with lanes over x's rows instead of over k, so no output ends in a sum of lanes (vnni_rows.h).
   chain   one fused multiply-add chain in k order, lanes over outputs, no lane sums: fast for
           attention's short dot products (64 for the scores), where rowdot's lane sums cost as much as
           its multiply-adds.
@@ -33,7 +35,7 @@ batch shapes.
 
   ffi.py        the XLA FFI targets, rowdot / chain / cumsum and their custom VJPs
   invariance.py what else keeps a row's bits batch-independent on XLA's CPU backend (row padding)
-  cpu.cc        the Python module and FFI handlers; the arithmetic is rowdot.h, chain.h, int8.h and amx.h
+  cpu.cc        the Python module and FFI handlers; the arithmetic is rowdot.h, chain.h, int8.h, vnni_rows.h and amx.h
 
 GPT2_JAX_ROWDOT_ISA (read once per process) forces an older instruction set where the CPU has a newer one:
 avx2 (both kernels), avx512 (int8 without VNNI), avx512-vnni (int8 without AMX). The tests use it to

@@ -7,9 +7,10 @@
 //      the weights' int8 step is 258x coarser).
 //   2. xq . q is summed exactly in integers: int32 lanes (vpdpwssd where the CPU has AVX512-VNNI,
 //      vpmaddwd + vpaddd otherwise, AVX-512 or AVX2), flushed into int64 totals before any lane can
-//      overflow; with 16 rows or more on a CPU with AMX, its byte tiles (amx.h). Integer sums are exact,
-//      so no order, tile shape, thread split, batch or instruction set changes them: the AVX2, AVX-512,
-//      VNNI and AMX paths give the same bits by construction.
+//      overflow; with 16 rows or more on a CPU with AMX, its byte tiles (amx.h); with 3 rows or more
+//      otherwise on VNNI, lanes over rows (vnni_rows.h). Integer sums are exact, so no order, tile shape,
+//      thread split, batch or instruction set changes them: the AVX2, AVX-512, VNNI and AMX paths give the
+//      same bits by construction.
 //   3. y = (float)((double)total * x_scale[m] * w_scale[n]), one rounding to float32.
 //
 // Why integers rather than converting each q to float32 and running rowdot's multiply-adds: that takes
@@ -29,6 +30,7 @@
 
 #include "amx.h"
 #include "rowdot.h"  // Problem
+#include "vnni_rows.h"
 
 namespace int8 {
 
@@ -208,6 +210,7 @@ struct Kernel {
 struct Kernels {
   const char* isa;
   Kernel one, few, many;
+  bool vnni = false;  // AVX512-VNNI: 3 rows or more that AMX does not take go to vnni_rows.h (OnRows)
   bool amx = false;  // AMX usable: problems OnAmx accepts take its tiles; columns past its last step, these
 };
 
@@ -228,6 +231,7 @@ inline const Kernels& Pick() {
     bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && forced != "avx2";
     if (avx512 && __builtin_cpu_supports("avx512vnni") && forced != "avx512") {
       Kernels vnni = GPT2_JAX_INT8_KERNELS("avx512-vnni", TileVnni);
+      vnni.vnni = true;
       if (forced != "avx512-vnni" && amx::Usable()) vnni.isa = "amx-int8", vnni.amx = true;
       return vnni;
     }
@@ -275,6 +279,13 @@ inline void Block(const Problem& p, const Kernel& kern, int64_t m0, int64_t m1, 
 // The bits are the same either way, so which one a call takes never shows in its output.
 inline bool OnAmx(const Problem& p) { return Pick().amx && amx::Fits(p.K) && p.M >= kAmxMinRows; }
 
+// Whether the problem runs on vnni_rows.h's tiles (its x packed for them: see cpu.cc): 3 rows or more on a
+// CPU with VNNI, where AMX does not take it. One or two rows (decode at B = 1, 2) stay on the 2 x 8 tiles
+// above, which stream the weights at the memory's speed. Again the bits are the same either way.
+inline bool OnRows(const Problem& p) {
+  return Pick().vnni && p.M >= 3 && !OnAmx(p) && vnni_rows::Fits(p.K, vnni_rows::Group(p.M));
+}
+
 inline int64_t ColBlock(const Problem& p) { return p.x_hi != nullptr ? kAmxColBlock : kColBlock; }
 inline int64_t RowBlocks(const Problem& p) { return (p.M + kRowBlock - 1) / kRowBlock; }
 inline int64_t Items(const Problem& p) { return int8::RowBlocks(p) * ((p.N + ColBlock(p) - 1) / ColBlock(p)); }
@@ -289,6 +300,7 @@ inline void Item(const Problem& p, int64_t row_blocks, int64_t i) {
     amx::Block(p, m0, m1, n0, steps, n1 < p.N ? 1 : 0);
     n0 += steps * amx::kCols;
   }
+  if (p.x_rows != nullptr) return vnni_rows::Block(p, m0, m1, n0, n1);
   if (n0 < n1) Block(p, For(p.M), m0, m1, n0, n1);
 }
 
