@@ -20,7 +20,13 @@ from gpt2_jax.kernels import chain, rowdot, rowdot_int8
 
 pytestmark = pytest.mark.skipif(kernels.available() is None, reason="rowdot not built on this machine")
 
-SHAPES = [(768, 2304), (3072, 768), (770, 50), (13, 7), (100, 30)]  # (K, N): GPT-2's, odd widths, tails of K % 16, K % 64
+SHAPES = [
+    (768, 2304),
+    (3072, 768),
+    (770, 50),
+    (13, 7),
+    (100, 30),
+]  # (K, N): GPT-2's, odd widths, tails of K % 16, K % 64
 
 
 def bits(a) -> np.ndarray:
