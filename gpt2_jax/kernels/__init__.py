@@ -15,8 +15,8 @@ compute each output by the same instructions whatever M is:
           rows rounded to int16, the dot products summed exactly in integers (VNNI where present, and
           AMX's int8 tiles for 16 rows or more where the CPU has them: a prefill, a large batch), one
           rounding at the end; bits independent of the batch and of the instruction set by construction.
-          With VNNI, 3 to 15 rows (a decode step at B = 4 or 8; any count of 3 or more without AMX) run
-          with lanes over x's rows instead of over k, so no output ends in a sum of lanes (vnni_rows.h).
+          On VNNI without AMX, 16 rows or more (a prefill) run with lanes over x's rows instead of over
+          k, so no output ends in a sum of lanes (vnni_rows.h).
   chain   one fused multiply-add chain in k order, lanes over outputs, no lane sums: fast for
           attention's short dot products (64 for the scores), where rowdot's lane sums cost as much as
           its multiply-adds.

@@ -148,10 +148,9 @@ ffi::Error RowDotInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   }
   std::vector<uint8_t> x_rows;
   if (int8::OnRows(p)) {  // the rows split into bytes, packed in groups as vnni_rows.h's tiles read them
-    const int G = vnni_rows::Group(M);
-    x_rows.resize(static_cast<size_t>(vnni_rows::PackedBytes(M, K, G)));
-    vnni_rows::Pack(xq.data(), M, K, Kp, G, x_rows.data());
-    p.x_rows = x_rows.data(), p.x_group = G;
+    x_rows.resize(static_cast<size_t>(vnni_rows::PackedBytes(M, K)));
+    vnni_rows::Pack(xq.data(), M, K, Kp, x_rows.data());
+    p.x_rows = x_rows.data();
   }
   Run(pool, p, 1, 0, 0, false);
   return ffi::Error::Success();

@@ -7,8 +7,8 @@
 //      the weights' int8 step is 258x coarser).
 //   2. xq . q is summed exactly in integers: int32 lanes (vpdpwssd where the CPU has AVX512-VNNI,
 //      vpmaddwd + vpaddd otherwise, AVX-512 or AVX2), flushed into int64 totals before any lane can
-//      overflow; with 16 rows or more on a CPU with AMX, its byte tiles (amx.h); with 3 rows or more
-//      otherwise on VNNI, lanes over rows (vnni_rows.h). Integer sums are exact, so no order, tile shape,
+//      overflow; with 16 rows or more on a CPU with AMX, its byte tiles (amx.h), and on VNNI without
+//      them, lanes over rows (vnni_rows.h). Integer sums are exact, so no order, tile shape,
 //      thread split, batch or instruction set changes them: the AVX2, AVX-512, VNNI and AMX paths give the
 //      same bits by construction.
 //   3. y = (float)((double)total * x_scale[m] * w_scale[n]), one rounding to float32.
@@ -210,7 +210,7 @@ struct Kernel {
 struct Kernels {
   const char* isa;
   Kernel one, few, many;
-  bool vnni = false;  // AVX512-VNNI: 3 rows or more that AMX does not take go to vnni_rows.h (OnRows)
+  bool vnni = false;  // AVX512-VNNI: 16 rows or more that AMX does not take go to vnni_rows.h (OnRows)
   bool amx = false;  // AMX usable: problems OnAmx accepts take its tiles; columns past its last step, these
 };
 
@@ -279,11 +279,12 @@ inline void Block(const Problem& p, const Kernel& kern, int64_t m0, int64_t m1, 
 // The bits are the same either way, so which one a call takes never shows in its output.
 inline bool OnAmx(const Problem& p) { return Pick().amx && amx::Fits(p.K) && p.M >= kAmxMinRows; }
 
-// Whether the problem runs on vnni_rows.h's tiles (its x packed for them: see cpu.cc): 3 rows or more on a
-// CPU with VNNI, where AMX does not take it. One or two rows (decode at B = 1, 2) stay on the 2 x 8 tiles
-// above, which stream the weights at the memory's speed. Again the bits are the same either way.
+// Whether the problem runs on vnni_rows.h's tiles (its x packed for them: see cpu.cc): 16 rows or more on a
+// CPU with VNNI where AMX does not take them (no AMX, or a K its tiles do not fit). Fewer rows stay on the
+// tiles above, which were as fast or faster there with the weights streamed (vnni_rows.h). Again the bits
+// are the same either way.
 inline bool OnRows(const Problem& p) {
-  return Pick().vnni && p.M >= 3 && !OnAmx(p) && vnni_rows::Fits(p.K, vnni_rows::Group(p.M));
+  return Pick().vnni && p.M >= kAmxMinRows && !OnAmx(p) && vnni_rows::Fits(p.K);
 }
 
 inline int64_t ColBlock(const Problem& p) { return p.x_hi != nullptr ? kAmxColBlock : kColBlock; }

@@ -194,9 +194,8 @@ struct Problem {
   // x's rows split into bytes and packed for AMX's tiles (amx.h), or null where the tiles are not used.
   const int8_t* x_hi = nullptr;
   const uint8_t* x_lo = nullptr;
-  // x's rows packed in groups of x_group for vnni_rows.h's lanes-over-rows tiles, or null.
+  // x's rows packed in groups of 8 for vnni_rows.h's lanes-over-rows tiles, or null.
   const uint8_t* x_rows = nullptr;
-  int x_group = 0;
 };
 
 inline int64_t MaxEnd(const Problem& p, int64_t m, int64_t mm) {

@@ -1,9 +1,15 @@
-// rowdot_int8 for a few rows to a few hundred on AVX512-VNNI, lanes over x's rows: the same exact integer
-// sums as int8.h, so the same bits, about 1.6x faster than int8.h's tiles at 8 rows (a decode step at B = 8).
+// rowdot_int8 for 16 rows or more on AVX512-VNNI without AMX (a prefill, a large batch), lanes over x's
+// rows: the same exact integer sums as int8.h, so the same bits, faster than int8.h's 4 x 6 tiles.
 //
 // Why: int8.h's tiles put k in the lanes, so every output ends in a sum of 16 lanes; at K = 768 that sum
 // costs a third as much as the multiply-adds before it. Here every lane is one x row's own total for one
 // output column, and nothing is summed across lanes but a row's two byte planes at the very end.
+//
+// Measured (2026-12-03, the 2-core Xeon VM, forced to VNNI; gpt2-small's 49 int8 matmuls, 124 MB of weights
+// streamed, 2 threads, best of 12 taking turns with int8.h's tiles in one process): 16 rows 31.5 against
+// 39.4 ms, 64 rows 81 against 118 ms, 512 rows 637 against 841 ms. With weights that stay in cache it was
+// 1.5-1.8x faster at 8 rows too, but streamed, 3-8 rows were 0.75-1.08x: a decode step's few rows stay on
+// int8.h's tiles, which read the weights in longer runs.
 //
 // The arithmetic (the AMX split of amx.h, in VNNI's u8 x s8 instruction, vpdpbusd):
 //   xq = 256 * hi + lo with hi = xq >> 8 in [-128, 127] and lo = xq & 255 in [0, 255]. vpdpbusd wants its
@@ -13,12 +19,11 @@
 //   against 64 weights at a time). Every term is an exact integer in int32 lanes for K <= 65536
 //   (|(hi + 128) . q| <= 65536 * 255 * 128 < 2^31), joined in int64: int8.h's total, then its one rounding.
 //
-// The layout: a group of G rows (G = 8, or 4 for 3-4 rows) is packed once per call into steps of 64 bytes;
-// a step covers KS = 32 / G consecutive k, and lane l holds 4 consecutive k of one plane of one row:
-//   s = l % S (which 4 of the step's KS), plane = (l / S) / G (hi + 128, then lo), row = (l / S) % G,
-// with S = 8 / G. The weights stay as they lie ([N, K], int8): KS bytes of one column are broadcast to
-// every lane (for G = 8 folded into vpdpbusd as a memory operand), so one instruction does 4 k of G rows
-// for one column, and a tile of 12 columns shares each packed x step. (No XLA, no Python here.)
+// The layout: a group of 8 rows is packed once per call into steps of 64 bytes, one step per 4 consecutive
+// k: lane r holds row r's 4 bytes of hi + 128, lane 8 + r its 4 bytes of lo. The weights stay as they lie
+// ([N, K], int8): 4 bytes of one column are broadcast to every lane (folded into vpdpbusd as a memory
+// operand), so one instruction does 4 k of 8 rows for one column, and a tile of 12 columns shares each
+// packed x step. (No XLA, no Python here: a plain C++ program can time it.)
 #pragma once
 
 #include <immintrin.h>
@@ -35,56 +40,51 @@ using rowdot::Problem;
 
 constexpr int64_t kMaxK = 65536;  // the int32 sums' bound (above)
 constexpr int kNR = 12;           // columns per tile: 12 sums + 12 weight sums + x + 1s + a spare of 32 registers
+constexpr int kG = 8;             // x rows per group
 
-inline int Group(int64_t M) { return M <= 4 ? 4 : 8; }
-inline int64_t StepK(int G) { return 32 / G; }
-// Whether a problem with this K can take these tiles with groups of G rows: whole steps (a broadcast never
-// reads past a weight row, so never past the last) and the sums' bound.
-inline bool Fits(int64_t K, int G) { return K > 0 && K <= kMaxK && K % StepK(G) == 0; }
-inline int64_t GroupBytes(int64_t K, int G) { return K / StepK(G) * 64; }
-inline int64_t PackedBytes(int64_t M, int64_t K, int G) { return (M + G - 1) / G * GroupBytes(K, G); }
+// Whether a problem with this K can take these tiles: whole steps of 4 k (a broadcast never reads past a
+// weight row, so never past the last) and the sums' bound.
+inline bool Fits(int64_t K) { return K > 0 && K <= kMaxK && K % 4 == 0; }
+inline int64_t GroupBytes(int64_t K) { return K / 4 * 64; }
+inline int64_t PackedBytes(int64_t M, int64_t K) { return (M + kG - 1) / kG * GroupBytes(K); }
 
-// xq [M, Kp] (int16) -> [groups][K / KS][16 lanes][4] bytes as above. Rows past M are zero bytes in both
+// xq [M, Kp] (int16) -> [groups][K / 4][16 lanes][4] bytes as above. Rows past M are zero bytes in both
 // planes (their sums are dropped). Each row's planes are split with AVX-512, then moved 4 bytes at a time.
 __attribute__((target("avx512f,avx512bw"))) inline void Pack(const int16_t* xq, int64_t M, int64_t K, int64_t Kp,
-                                                             int G, uint8_t* out) {
-  const int S = 8 / G, KS = 32 / G;
-  if (M % G != 0) {
-    const int64_t tail = M / G * GroupBytes(K, G);
-    std::memset(out + tail, 0, PackedBytes(M, K, G) - tail);
+                                                             uint8_t* out) {
+  if (M % kG != 0) {
+    const int64_t tail = M / kG * GroupBytes(K);
+    std::memset(out + tail, 0, PackedBytes(M, K) - tail);
   }
   alignas(64) uint8_t h[32], l[32];
   const __m512i low_byte = _mm512_set1_epi16(0xff), bias = _mm512_set1_epi16(128);
   for (int64_t m = 0; m < M; ++m) {
     const int16_t* row = xq + m * Kp;  // readable to Kp, a multiple of 32, zeros past K
-    uint8_t* group = out + m / G * GroupBytes(K, G);
-    const int r = static_cast<int>(m % G);
+    uint8_t* group = out + m / kG * GroupBytes(K);
+    const int r = static_cast<int>(m % kG);
     for (int64_t k = 0; k < K; k += 32) {
       const __m512i v = _mm512_loadu_si512(row + k);
       _mm256_store_si256(reinterpret_cast<__m256i*>(h), _mm512_cvtepi16_epi8(_mm512_add_epi16(_mm512_srai_epi16(v, 8), bias)));
       _mm256_store_si256(reinterpret_cast<__m256i*>(l), _mm512_cvtepi16_epi8(_mm512_and_si512(v, low_byte)));
       for (int64_t c = 0; c < 32 && k + c < K; c += 4) {
-        const int64_t kk = k + c, s = kk % KS / 4;
-        uint8_t* step = group + kk / KS * 64;
-        std::memcpy(step + (s + r * S) * 4, h + c, 4), std::memcpy(step + (s + (G + r) * S) * 4, l + c, 4);
+        uint8_t* step = group + (k + c) / 4 * 64;
+        std::memcpy(step + r * 4, h + c, 4), std::memcpy(step + (kG + r) * 4, l + c, 4);
       }
     }
   }
 }
 
-// KS bytes of a weight row, in every lane.
-template <int G>
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline __m512i Broadcast(const int8_t* w) {
-  if constexpr (G == 8) return _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(w));
-  else return _mm512_set1_epi64(*reinterpret_cast<const int64_t*>(w));
+// 4 bytes of a weight row, in every lane.
+__attribute__((target("avx512f"))) inline __m512i Broadcast(const int8_t* w) {
+  int32_t v;
+  std::memcpy(&v, w, 4);
+  return _mm512_set1_epi32(v);
 }
 
 // One group (packed px) against kNR weight rows over K -> exact int64 totals[r][j]. `ahead`: bytes to
 // prefetch ahead in each weight row (0: none).
-template <int G>
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) void Tile(const uint8_t* px, const int8_t* const* w, int64_t K,
-                                                                 int64_t* totals, int64_t ahead) {
-  constexpr int KS = 32 / G, S = 8 / G;
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void Tile(const uint8_t* px, const int8_t* const* w,
+                                                                        int64_t K, int64_t* totals, int64_t ahead) {
   __m512i acc[kNR], wsum[kNR];
 #pragma GCC unroll 12
   for (int j = 0; j < kNR; ++j) acc[j] = wsum[j] = _mm512_setzero_si512();
@@ -97,48 +97,41 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void Tile(const uint8_t* 
       wsum[j] = _mm512_dpbusd_epi32(wsum[j], ones, _mm512_loadu_si512(w[j] + k));
     }
 #pragma GCC unroll 16
-    for (int t = 0; t < 64; t += KS) {
-      const __m512i xv = _mm512_loadu_si512(px + (k + t) / KS * 64);
+    for (int t = 0; t < 64; t += 4) {
+      const __m512i xv = _mm512_loadu_si512(px + (k + t) * 16);
 #pragma GCC unroll 12
-      for (int j = 0; j < kNR; ++j) acc[j] = _mm512_dpbusd_epi32(acc[j], xv, Broadcast<G>(w[j] + k + t));
+      for (int j = 0; j < kNR; ++j) acc[j] = _mm512_dpbusd_epi32(acc[j], xv, Broadcast(w[j] + k + t));
     }
   }
   if (k < K) {  // the last K % 64: whole steps (Fits), the weight sums from a masked load
     const __mmask64 mask = ~0ull >> (64 - (K - k));
     for (int j = 0; j < kNR; ++j) wsum[j] = _mm512_dpbusd_epi32(wsum[j], ones, _mm512_maskz_loadu_epi8(mask, w[j] + k));
-    for (; k < K; k += KS) {
-      const __m512i xv = _mm512_loadu_si512(px + k / KS * 64);
-      for (int j = 0; j < kNR; ++j) acc[j] = _mm512_dpbusd_epi32(acc[j], xv, Broadcast<G>(w[j] + k));
+    for (; k < K; k += 4) {
+      const __m512i xv = _mm512_loadu_si512(px + k * 16);
+      for (int j = 0; j < kNR; ++j) acc[j] = _mm512_dpbusd_epi32(acc[j], xv, Broadcast(w[j] + k));
     }
   }
   for (int j = 0; j < kNR; ++j) {
     alignas(64) int32_t lane[16];
     _mm512_store_si512(lane, acc[j]);
     const int64_t sum_q = _mm512_reduce_add_epi32(wsum[j]);  // |sum_q| <= 128 K: no overflow
-    for (int r = 0; r < G; ++r) {
-      int64_t hi = 0, lo = 0;
-      for (int s = 0; s < S; ++s) hi += lane[s + r * S], lo += lane[s + (G + r) * S];
-      totals[r * kNR + j] = 256 * (hi - 128 * sum_q) + lo;
-    }
+    for (int r = 0; r < kG; ++r) totals[r * kNR + j] = 256 * (lane[r] - 128 * sum_q) + lane[kG + r];
   }
 }
 
-// Rows [m0, m1) (m0 a multiple of G) x columns [n0, n1) of y: int8.h's Block with these tiles. A short last
+// Rows [m0, m1) (m0 a multiple of 8) x columns [n0, n1) of y: int8.h's Block with these tiles. A short last
 // tile repeats its last column (computed the same way, then dropped); the first group of each column tile
 // prefetches the weight rows two tiles on.
 inline void Block(const Problem& p, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
-  const int G = p.x_group;
   const int64_t ahead = 2 * kNR * p.K;
   int64_t totals[8 * kNR];
   const int8_t* ws[kNR];
   for (int64_t n = n0; n < n1; n += kNR) {
     const int64_t nn = std::min<int64_t>(kNR, n1 - n);
     for (int j = 0; j < kNR; ++j) ws[j] = p.wq + (n + std::min<int64_t>(j, nn - 1)) * p.K;
-    for (int64_t g = m0; g < m1; g += G) {
-      const uint8_t* px = p.x_rows + g / G * GroupBytes(p.K, G);
-      if (G == 8) Tile<8>(px, ws, p.K, totals, g == m0 ? ahead : 0);
-      else Tile<4>(px, ws, p.K, totals, g == m0 ? ahead : 0);
-      for (int64_t i = 0; i < std::min<int64_t>(G, m1 - g); ++i) {
+    for (int64_t g = m0; g < m1; g += kG) {
+      Tile(p.x_rows + g / kG * GroupBytes(p.K), ws, p.K, totals, g == m0 ? ahead : 0);
+      for (int64_t i = 0; i < std::min<int64_t>(kG, m1 - g); ++i) {
         const double sx = p.x_scale[g + i];
         for (int64_t j = 0; j < nn; ++j)
           p.y[(g + i) * p.N + n + j] =
