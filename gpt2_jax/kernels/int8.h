@@ -88,6 +88,15 @@ __attribute__((target("avx512f"))) inline int64_t Sum512(__m512i a) {
   return _mm512_reduce_add_epi64(_mm512_add_epi64(lo, hi));
 }
 
+// acc + x . w by VNNI's vpdpwssd as inline assembly, so each accumulator stays in its register. Through the
+// intrinsic, GCC 12 kept a copy of every accumulator of a tile with more than one row on the stack and stored
+// it after each instruction: the 8 x 3 tile (3 to 8 rows) ran 1.5x slower (measured 2026-12-05 on a 2-core AMD
+// EPYC, gpt2-small's 49 matmuls at 8 rows: 12.7 against 8.4 ms). The same instruction, so the same bits.
+__attribute__((target("avx512f,avx512vnni"))) inline __m512i DpwssdInPlace(__m512i acc, __m512i x, __m512i w) {
+  asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(x), "v"(w));
+  return acc;
+}
+
 // A lane gets 2 products of at most 32767 x 127 per 32 k, so 8192 k stay below 2^31. The body twice: with
 // VNNI's vpdpwssd, and with vpmaddwd + vpaddd under a target without VNNI (so the compiler cannot fuse
 // them into the instruction a CPU without VNNI lacks).
@@ -133,7 +142,7 @@ __attribute__((target("avx512f"))) inline int64_t Sum512(__m512i a) {
       for (int j = 0; j < NR; ++j) out[i * NR + j] = total[i][j];                                            \
   }
 
-#define GPT2_JAX_VNNI(acc, x, w) _mm512_dpwssd_epi32(acc, x, w)
+#define GPT2_JAX_VNNI(acc, x, w) DpwssdInPlace(acc, x, w)
 #define GPT2_JAX_MADD(acc, x, w) _mm512_add_epi32(acc, _mm512_madd_epi16(x, w))
 GPT2_JAX_INT8_TILE512(TileVnni, "avx512f,avx512bw,avx512vnni", GPT2_JAX_VNNI)
 GPT2_JAX_INT8_TILE512(Tile512, "avx512f,avx512bw", GPT2_JAX_MADD)
@@ -203,10 +212,14 @@ using TileFn = void (*)(const int16_t* const*, const int8_t* const*, int64_t, in
 struct Kernel {
   int mr, nr;
   TileFn tiles[9];  // tiles[r]: r xq rows (1 <= r <= mr) against nr q rows
+  int ahead = 2;    // how many tiles on the first row tile prefetches the q rows of (see Block)
 };
 
 // One or two rows (decode at B = 1, 2) take 2 x 8 tiles: many q rows share each x load and the fixed cost
 // of a tile; up to 8 rows one 8 x 3 tile, so each q vector loaded feeds every row; more take 4 x 6.
+// The 8-column tiles prefetch the q rows one tile on, the others two (measured 2026-12-05 on a 2-core AMD EPYC,
+// 49 GB/s, the weights streamed: one tile on was 1.08-1.10x faster at 1 and 2 rows, two tiles on 1.05-1.15x
+// at 4 rows; on AVX2 two tiles suited its 2 x 4 tiles at 2 and 8 rows).
 struct Kernels {
   const char* isa;
   Kernel one, few, many;
@@ -216,7 +229,7 @@ struct Kernels {
 
 #define GPT2_JAX_INT8_KERNELS(ISA, T)                                                                      \
   Kernels {                                                                                              \
-    ISA, {2, 8, {nullptr, T<1, 8>, T<2, 8>}},                                                            \
+    ISA, {2, 8, {nullptr, T<1, 8>, T<2, 8>}, 1},                                                         \
         {8, 3, {nullptr, T<1, 3>, T<2, 3>, T<3, 3>, T<4, 3>, T<5, 3>, T<6, 3>, T<7, 3>, T<8, 3>}},       \
         {4, 6, {nullptr, T<1, 6>, T<2, 6>, T<3, 6>, T<4, 6>}}                                            \
   }
@@ -237,7 +250,7 @@ inline const Kernels& Pick() {
     }
     if (avx512) return GPT2_JAX_INT8_KERNELS("avx512", Tile512);
     return Kernels{"avx2",
-                   {1, 8, {nullptr, Tile256<1, 8>}},
+                   {1, 8, {nullptr, Tile256<1, 8>}, 1},
                    {2, 4, {nullptr, Tile256<1, 4>, Tile256<2, 4>}},
                    {2, 4, {nullptr, Tile256<1, 4>, Tile256<2, 4>}}};
   }();
@@ -250,9 +263,9 @@ inline const Kernel& For(int64_t rows) {
 }
 
 // Rows [m0, m1) x columns [n0, n1) of y. A short last tile repeats its last row or column (computed the
-// same way, then dropped). The first row tile of each column tile prefetches the q rows two tiles on.
+// same way, then dropped). The first row tile of each column tile prefetches the q rows kern.ahead tiles on.
 inline void Block(const Problem& p, const Kernel& kern, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
-  const int64_t ahead = 2 * kern.nr * p.K;  // bytes from a q row to the same k two tiles on (measured best)
+  const int64_t ahead = kern.ahead * kern.nr * p.K;  // bytes from a q row to the same k `ahead` tiles on
   int64_t out[48];
   const int16_t* xs[8];
   const int8_t* ws[12];
