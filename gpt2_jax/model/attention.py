@@ -39,8 +39,8 @@ def attend(
     multiply-add chain over K (see block_scores), the slots are grouped in whole blocks of KEY_BLOCK,
     each block's softmax mass is summed alone and the blocks' sums added in order, so masked slots add
     exact zeros; each output of the weighted sum is one chain over the slots (see weighted_values), to
-    which masked slots add exact zeros too. A decode step's single query is padded with copies of itself
-    so the softmax's reductions take XLA's large-input path (see MIN_REDUCE). Head-major operands keep
+    which masked slots add exact zeros too. A decode step's single query's scores are padded with copies
+    of its row so the softmax's reductions take XLA's large-input path (see MIN_REDUCE). Head-major operands keep
     (B, H) as the leading batch dims, and the cache holds keys transposed, as the scores' kernel reads
     them (outputs along the slots): the cache is never transposed.
     Hook points: hook_attn_scores [B, H, T, S] (see tap_scores) and hook_pattern, the weights' real
@@ -50,19 +50,25 @@ def attend(
     n = -(-S // KEY_BLOCK)
     Sp = n * KEY_BLOCK
     mask = jnp.broadcast_to(mask, (mask.shape[0], T, S))
-    # Enough (query, slot) elements for the softmax's reductions; XLA's matmul also needs 2 queries.
-    Tq = max(T, -(-MIN_REDUCE // (B * H * Sp)), 1 if kernels.fits(q, kt, v) else 2)
+    # Enough (query, slot) elements for the softmax's reductions; XLA's matmul also needs 2 queries. The kernels
+    # compute each query's row on its own, so with them only the T real queries are scored and weighted, and the
+    # scores are padded after with copies of the last row (the same bits as scoring the copies: a decode step's
+    # one query was scored 6 times at B = 1); XLA's matmul scores the padded queries.
+    kernel = kernels.fits(q, kt, v)
+    Tq = max(T, -(-MIN_REDUCE // (B * H * Sp)), 1 if kernel else 2)
+    rows = T if kernel else Tq  # queries through the matmuls
     if Tq > T:
-        q = jnp.pad(q, ((0, 0), (0, 0), (0, Tq - T), (0, 0)), mode="edge")
+        q = q if kernel else jnp.pad(q, ((0, 0), (0, 0), (0, Tq - T), (0, 0)), mode="edge")
         mask = jnp.pad(mask, ((0, 0), (0, Tq - T), (0, 0)), mode="edge")
     # Each query's last visible slot + 1 (all S for a query that sees nothing): the kernel skips the scores
     # past it and the weighted sum's products there (exact zeros), half the work of a causal prefill.
     # Not under hooks, which may edit masked scores or weights.
     ends = None
-    if tap is None and kernels.fits(q, kt, v):
-        last = jnp.max(jnp.where(mask, jnp.arange(1, S + 1, dtype=jnp.int32), 0), axis=-1)  # [B or 1, T']
-        ends = jnp.broadcast_to(jnp.where(last > 0, last, S)[:, None], (B, H, Tq))
-    scores = block_scores(q, kt, n, ends) * scale  # [B, H, T', N, C]
+    if tap is None and kernel:
+        last = jnp.max(jnp.where(mask[:, :T], jnp.arange(1, S + 1, dtype=jnp.int32), 0), axis=-1)  # [B or 1, T]
+        ends = jnp.broadcast_to(jnp.where(last > 0, last, S)[:, None], (B, H, T))
+    scores = block_scores(q, kt, n, ends) * scale  # [B, H, rows, N, C]
+    scores = jnp.pad(scores, ((0, 0), (0, 0), (0, Tq - rows), (0, 0), (0, 0)), mode="edge")  # [B, H, T', N, C]
     blocked = jnp.pad(mask, ((0, 0), (0, 0), (0, Sp - S))).reshape(mask.shape[0], 1, Tq, n, KEY_BLOCK)
     scores = jnp.where(blocked, scores, NEG_INF)
     if tap is not None:
@@ -75,7 +81,7 @@ def attend(
     weights = dropout(e / total[..., None, None], rate, key).reshape(B, H, Tq, Sp)
     if tap is not None:
         weights = weights.at[:, :, :T, :S].set(tap("hook_pattern", weights[:, :, :T, :S]))
-    return weighted_values(weights, v, ends)[:, :, :T]
+    return weighted_values(weights[:, :, :rows], v, ends)[:, :, :T]
 
 
 def _array(a) -> jax.Array:
