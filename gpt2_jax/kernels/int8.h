@@ -217,8 +217,8 @@ struct Kernel {
 
 // One or two rows (decode at B = 1, 2) take 2 x 8 tiles: many q rows share each x load and the fixed cost
 // of a tile; up to 8 rows one 8 x 3 tile, so each q vector loaded feeds every row; more take 4 x 6.
-// The 8-column tiles prefetch the q rows one tile on, the others two (measured 2026-12-05 on a 2-core AMD EPYC,
-// 49 GB/s, the weights streamed: one tile on was 1.08-1.10x faster at 1 and 2 rows, two tiles on 1.05-1.15x
+// The 8-column tiles prefetch the q rows one tile on, the others two (measured 2026-12-05 on a 2-core AMD EPYC
+// with the weights streamed: one tile on was 1.08-1.10x faster at 1 and 2 rows, two tiles on 1.05-1.15x
 // at 4 rows; on AVX2 two tiles suited its 2 x 4 tiles at 2 and 8 rows).
 struct Kernels {
   const char* isa;
