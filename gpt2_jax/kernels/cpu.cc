@@ -152,6 +152,7 @@ ffi::Error RowDotInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
     vnni_rows::Pack(xq.data(), M, K, Kp, x_rows.data());
     p.x_rows = x_rows.data();
   }
+  p.cols = int8::DecodeColumns(p, pool.num_threads());
   Run(pool, p, 1, 0, 0, false);
   return ffi::Error::Success();
 }

@@ -196,6 +196,8 @@ struct Problem {
   const uint8_t* x_lo = nullptr;
   // x's rows packed in groups of 8 for vnni_rows.h's lanes-over-rows tiles, or null.
   const uint8_t* x_rows = nullptr;
+  // int8: weight rows per work item (int8::DecodeColumns), or 0 for int8::kColBlock.
+  int64_t cols = 0;
 };
 
 inline int64_t MaxEnd(const Problem& p, int64_t m, int64_t mm) {
