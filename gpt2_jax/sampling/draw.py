@@ -123,7 +123,9 @@ def sample_rows(keys: jax.Array, logits: jax.Array, settings: RowSettings, n_val
     # One materialised array for every program: XLA may contract x / t into an FMA inside a consumer
     # fusion, so per-program recomputations could disagree in the last bit.
     scaled = jax.lax.optimization_barrier(apply_temperature(logits, settings, n_valid))
-    weight = jax.lax.optimization_barrier(jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True)))
+    # The sampling weights, only when some row samples (an all-greedy batch skips this pass over V).
+    weight = jax.lax.cond(jnp.any(~greedy), lambda: jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True)),
+                          lambda: jnp.zeros_like(scaled))  # fmt: skip
     u = jax.vmap(jax.random.uniform)(keys)  # one float32 in [0, 1) per row
     zeros = jnp.zeros(rows, jnp.int32)
 

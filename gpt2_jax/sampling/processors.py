@@ -61,9 +61,10 @@ class ProcessorState(NamedTuple):
 
 
 def apply_logit_bias(logits: jax.Array, ids: jax.Array, bias: jax.Array) -> jax.Array:
-    """[B, V] + bias [B, N] at token ids [B, N]. Unused entries add 0.0 to token 0, which changes nothing."""
+    """[B, V] + bias [B, N] at token ids [B, N]. Entries with bias 0 (unused ones among them) are dropped, not
+    added: -0.0 + 0.0 would turn a logit of -0.0 into +0.0."""
     rows = jnp.arange(logits.shape[0])[:, None]
-    return logits.at[rows, ids].add(bias)
+    return logits.at[rows, jnp.where(bias != 0, ids, logits.shape[-1])].add(bias, mode="drop")
 
 
 def apply_repetition_penalty(logits: jax.Array, seen: jax.Array, theta: jax.Array) -> jax.Array:
@@ -129,6 +130,20 @@ def early_stop_tokens(generated: jax.Array, min_new: jax.Array, stop_ids: jax.Ar
     return _scatter_tokens(stop_ids, early, v)
 
 
+def rows_in_use(p: ProcessorSettings, generated: jax.Array, stop_ids: jax.Array) -> jax.Array:
+    """[B] bool: the rows whose settings let some processor change a logit (a bias, a penalty, an n-gram size,
+    a banned word, or min_new_tokens not yet reached while the row has stop ids [B, P] (-1 = unused))."""
+    return (
+        (p.bias != 0).any(-1)
+        | (p.repetition_penalty != 1)
+        | (p.frequency_penalty != 0)
+        | (p.presence_penalty != 0)
+        | (p.no_repeat_ngram_size > 0)
+        | (p.bad_word_lengths > 0).any(-1)
+        | ((generated < p.min_new_tokens) & (stop_ids >= 0).any(-1))
+    )
+
+
 def apply_processors(
     logits: jax.Array,
     p: ProcessorSettings,
@@ -140,8 +155,17 @@ def apply_processors(
 ) -> jax.Array:
     """Raw logits [B, V] -> processed float32 logits [B, V], in the module docstring's order. length [B]: the
     text's length (prompt + output); generated [B]: output tokens so far; allowed [B, V]: a constraint's mask.
-    The n-gram and word scans run only when some row of the batch uses them (lax.cond), so they cost
-    nothing otherwise; either branch gives an unaffected row the same bits."""
+    Only a batch with some row in use (or constrained) runs them at all, and the n-gram and word scans only
+    when some row uses those (lax.cond): otherwise they cost nothing, not even a pass over the vocabulary.
+    Either branch gives an unaffected row the same bits."""
+    use = rows_in_use(p, generated, stop_ids)
+    if allowed is not None:
+        use |= ~allowed.all(-1)
+    process = lambda: _process(logits, p, state, length, generated, stop_ids, allowed)
+    return jax.lax.cond(jnp.any(use), process, lambda: logits.astype(jnp.float32))
+
+
+def _process(logits, p, state, length, generated, stop_ids, allowed):
     v = logits.shape[-1]
     x = apply_logit_bias(logits.astype(jnp.float32), p.bias_ids, p.bias)
     x = apply_repetition_penalty(x, state.in_prompt | (state.counts > 0), p.repetition_penalty)
