@@ -300,6 +300,23 @@ def test_chain_is_one_fused_multiply_add_chain_per_output_for_any_row_count(K, N
             assert (bits(f(x[start : start + M], w)) == bits(full[start : start + M])).all(), (M, start)
 
 
+@pytest.mark.skipif(np.finfo(np.longdouble).nmant < 63, reason="needs 80-bit long double for the exact reference")
+def test_a_decode_querys_scores_with_ends_are_the_same_chains():
+    """One query row (a decode step) against its keys with out_ends takes chain.h's wide 1-row tile on
+    AVX-512: every needed score is still the one multiply-add chain, and every score past the end is 0, for
+    ends at and around each vector (16), tile (64) and pass (256) boundary."""
+    rng = np.random.default_rng(5)
+    K, S = 64, 600
+    ends = np.array([0, 1, 15, 16, 17, 63, 64, 65, 255, 256, 257, 300, 511, 512, 513, 599, 600], np.int32)
+    q = rng.standard_normal((len(ends), 1, K), np.float32)
+    kt = rng.standard_normal((len(ends), K, S), np.float32)
+    got = np.asarray(jax.jit(lambda a, b, e: chain(a, b, out_ends=e))(q, kt, ends[:, None]))
+    needed = np.arange(S) < ends[:, None, None]
+    ref = np.stack([fma_chain(q[i], kt[i]) for i in range(len(ends))])
+    assert (bits(got[needed]) == bits(ref[needed])).all() and (got[~needed] == 0).all()
+    assert (bits(got) == bits(np.where(needed, np.asarray(chain(q, kt)), 0))).all()
+
+
 def test_ends_skip_work_without_changing_any_needed_output():
     """out_ends: outputs past a row's end come back 0, the others keep their bits; in_ends: products
     past a row's end (where x is 0) are skipped, and every output keeps its bits. For both kernels."""
