@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from gpt2_jax import kernels
-from gpt2_jax.kernels import chain, rowdot, rowdot_int8
+from gpt2_jax.kernels import argmax, chain, rowdot, rowdot_int8
 
 pytestmark = pytest.mark.skipif(kernels.available() is None, reason="rowdot not built on this machine")
 
@@ -409,6 +409,26 @@ def test_a_paged_operand_is_read_through_its_block_table_with_the_bits_of_the_ga
         assert (bits(got[f"scores{layer}"]) == bits(chain(q, keys, out_ends=ends))).all()
         assert (bits(got[f"values{layer}"]) == bits(chain(w, values, in_ends=ends))).all()
     assert (got["scores0"] != 0).any() and (got["values1"] != 0).any()
+
+
+def test_argmax_is_numpys_first_maximum_and_first_nan():
+    """The greedy token's kernel: numpy's argmax (the first maximum, the first NaN where there is one) on
+    ties, signed zeros, infinities and NaNs, for row lengths around its 8-lane vectors and the vocabulary's;
+    and the kernel, not the fallback, is what ran."""
+    rng = np.random.default_rng(2)
+    for n in (1, 7, 8, 9, 17, 50257):
+        x = rng.standard_normal((7, n)).astype(np.float32)
+        x[1, n // 2] = np.nan
+        x[1, -1] = np.nan
+        x[2] = -np.inf
+        x[3] = 0.0
+        x[3, ::2] = -0.0
+        x[4, -1] = np.inf
+        x[5] = np.float32(1.5)  # all tie: the first
+        x[6, n // 3 :] = x[6].max() + 1  # a run of ties: its first
+        got = np.asarray(jax.jit(lambda a: argmax(a, lambda b: jnp.full(b.shape[:-1], -1, jnp.int32)))(x))
+        assert (got == np.argmax(x, axis=-1)).all(), n
+    assert np.asarray(argmax(x[:2], lambda b: jnp.argmax(b, axis=-1))).shape == (2,)
 
 
 def test_cumsum_is_torchs_float64_accumulation_rounded_once_per_prefix():

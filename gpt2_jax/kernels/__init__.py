@@ -21,7 +21,7 @@ compute each output by the same instructions whatever M is:
           attention's short dot products (64 for the scores), where rowdot's lane sums cost as much as
           its multiply-adds.
 
-`cumsum` is the sampler's prefix sum, accumulated in float64 as torch's is.
+`cumsum` is the sampler's prefix sum, accumulated in float64 as torch's is; `argmax` its greedy token.
 
 Both matmuls can skip work a row does not need without changing anything it does need (attention's causal
 corner): `out_ends` / `in_ends`, one int32 per row (see rowdot). An Entry (one layer of the stacked KV
@@ -33,7 +33,7 @@ the extension was not built (no C++ compiler at install time) or the CPU lacks A
 says which. Gradients are XLA's matmuls: gradients are compared to a tolerance, never bitwise across
 batch shapes.
 
-  ffi.py        the XLA FFI targets, rowdot / chain / cumsum and their custom VJPs
+  ffi.py        the XLA FFI targets, rowdot / chain / cumsum / argmax and their custom VJPs
   invariance.py what else keeps a row's bits batch-independent on XLA's CPU backend (row padding)
   cpu.cc        the Python module and FFI handlers; the arithmetic is rowdot.h, chain.h, int8.h, vnni_rows.h and amx.h
 
@@ -45,6 +45,7 @@ check that every path gives the same bits; available() and int8_isa() say what r
 from gpt2_jax.kernels.ffi import (
     Entry,
     Paged,
+    argmax,
     available,
     chain,
     cumsum,
@@ -60,6 +61,7 @@ __all__ = [
     "MIN_REDUCE",
     "Entry",
     "Paged",
+    "argmax",
     "available",
     "chain",
     "cumsum",

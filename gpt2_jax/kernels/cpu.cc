@@ -255,10 +255,50 @@ ffi::Error CumSumImpl(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y) {
   return ffi::Error::Success();
 }
 
+// The position of the first maximum of x[0 .. n), or of the first NaN where there is one: jnp.argmax's answer.
+// Two vector passes (the largest value and whether a NaN is there, then the first position holding it)
+// over a row that stays in cache; comparisons only, so any instruction set gives the same answer.
+__attribute__((target("avx2"))) int32_t FirstMax(const float* x, int64_t n) {
+  __m256 top = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), odd = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    top = _mm256_max_ps(v, top);  // a NaN v gives top back: NaNs are tracked apart
+    odd = _mm256_or_ps(odd, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  }
+  alignas(32) float t[8];
+  _mm256_store_ps(t, top);
+  float best = t[0];
+  for (int l = 1; l < 8; ++l) best = std::max(best, t[l]);
+  bool nan = _mm256_movemask_ps(odd) != 0;
+  for (int64_t j = i; j < n; ++j) nan |= std::isnan(x[j]), best = std::isnan(x[j]) ? best : std::max(best, x[j]);
+  const __m256 want = _mm256_set1_ps(best);
+  for (i = 0; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    const int hit = _mm256_movemask_ps(nan ? _mm256_cmp_ps(v, v, _CMP_UNORD_Q) : _mm256_cmp_ps(v, want, _CMP_EQ_OQ));
+    if (hit != 0) return static_cast<int32_t>(i + __builtin_ctz(hit));
+  }
+  for (; i < n; ++i)
+    if (nan ? std::isnan(x[i]) : x[i] == best) return static_cast<int32_t>(i);
+  return 0;  // unreachable for n > 0
+}
+
+// y[...] = FirstMax(x[..., :]) per row (the sampler's greedy token): one pass instead of XLA's reduction, its
+// broadcast of the maximum written out, and a comparison and a second reduction.
+ffi::Error ArgMaxImpl(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::S32> y) {
+  auto d = x.dimensions();
+  if (d.size() < 1 || d[d.size() - 1] == 0) return ffi::Error::InvalidArgument("argmax: x needs a non-empty last axis");
+  const int64_t n = d[d.size() - 1], rows = static_cast<int64_t>(x.element_count()) / n;
+  for (int64_t r = 0; r < rows; ++r) y->typed_data()[r] = FirstMax(x.typed_data() + r * n, n);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GPT2JaxCumSum, CumSumImpl,
                               ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GPT2JaxArgMax, ArgMaxImpl,
+                              ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::S32>>());
 
 // The bindings, one per signature: x, w (or stacked and index), [ends and mode] -> y.
 static auto DotBinding() {
@@ -314,12 +354,13 @@ static PyMethodDef kMethods[] = {
     {"handler_chain_at", Capsule<GPT2JaxChainAt>, METH_NOARGS, "handler_chain reading one entry of a stacked w."},
     {"handler_chain_paged", Capsule<GPT2JaxChainPaged>, METH_NOARGS, "handler_chain reading a paged KV cache."},
     {"handler_cumsum", Capsule<GPT2JaxCumSum>, METH_NOARGS, "cumsum: float32 prefix sums accumulated in float64."},
+    {"handler_argmax", Capsule<GPT2JaxArgMax>, METH_NOARGS, "argmax: the first maximum's position (first NaN's if any)."},
     {"isa", Isa, METH_NOARGS, "Which instruction set the kernel runs with here: 'avx512' or 'avx2'."},
     {"isa_int8", IsaInt8, METH_NOARGS, "rowdot_int8's instruction set here: 'amx-int8', 'avx512-vnni', 'avx512' or 'avx2'."},
     {"usable", Usable, METH_NOARGS, "Whether this CPU has what the kernel needs (AVX2 and FMA)."},
     {nullptr, nullptr, 0, nullptr}};
 
-static PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_cpu", "gpt2_jax's batch-invariant CPU kernels: rowdot, chain and cumsum",
+static PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_cpu", "gpt2_jax's batch-invariant CPU kernels: rowdot, chain, cumsum and argmax",
                               -1, kMethods};
 
 PyMODINIT_FUNC PyInit__cpu() { return PyModule_Create(&kModule); }

@@ -26,7 +26,7 @@ if _cpu is not None and _cpu.usable() and not _DISABLED:
     for _suffix, _handler in (("", _cpu.handler), ("_int8", _cpu.handler_int8), ("_at", _cpu.handler_at), ("_ends", _cpu.handler_ends),
                               ("_at_ends", _cpu.handler_at_ends), ("_chain", _cpu.handler_chain),
                               ("_chain_at", _cpu.handler_chain_at), ("_chain_paged", _cpu.handler_chain_paged),
-                              ("_cumsum", _cpu.handler_cumsum)):  # fmt: skip
+                              ("_cumsum", _cpu.handler_cumsum), ("_argmax", _cpu.handler_argmax)):  # fmt: skip
         jax.ffi.register_ffi_target(TARGET + _suffix, _handler(), platform="cpu")
     _REGISTERED = True
 
@@ -210,6 +210,20 @@ def cumsum(x: jax.Array, other) -> jax.Array:
 
     def kernel(x):
         return jax.ffi.ffi_call(TARGET + "_cumsum", jax.ShapeDtypeStruct(x.shape, F32), vmap_method="broadcast_all")(x)
+
+    return jax.lax.platform_dependent(x, cpu=kernel, default=other)
+
+
+def argmax(x: jax.Array, other) -> jax.Array:
+    """x [..., N] float32 -> [...] int32: jnp.argmax's answer (the first maximum, the first NaN if any) in one
+    kernel pass per row; `other(x)` where the kernel does not run (as for cumsum). Comparisons only, so
+    both give the same answer."""
+    if not _REGISTERED:
+        return other(x)
+
+    def kernel(x):
+        out = jax.ShapeDtypeStruct(x.shape[:-1], jnp.int32)
+        return jax.ffi.ffi_call(TARGET + "_argmax", out, vmap_method="broadcast_all")(x)
 
     return jax.lax.platform_dependent(x, cpu=kernel, default=other)
 

@@ -26,6 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from gpt2_jax import kernels
 from gpt2_jax.kernels.invariance import min_rows, pad_rows
 from gpt2_jax.sampling.filters import (
     apply_temperature,
@@ -56,11 +57,17 @@ def inverse_cdf(w: jax.Array, u: jax.Array) -> jax.Array:
 
 
 def argmax(x: jax.Array) -> jax.Array:
-    """[B, N] -> [B] int32, exactly jnp.argmax (first maximum; first NaN if any), as two plain reductions
-    (several times cheaper on CPU than argmax's variadic reduction)."""
+    """[B, N] -> [B] int32, exactly jnp.argmax (first maximum; first NaN if any): the kernel's one pass on the
+    CPU (gpt2_jax.kernels.argmax), else two plain reductions (several times cheaper on CPU than argmax's
+    variadic reduction)."""
     n = x.shape[-1]
-    hit = (x == jnp.max(x, axis=-1, keepdims=True)) | jnp.isnan(x)
-    return jnp.min(jnp.where(hit, jnp.arange(n, dtype=jnp.int32), n), axis=-1)
+
+    def reductions(x):
+        hit = (x == jnp.max(x, axis=-1, keepdims=True)) | jnp.isnan(x)
+        return jnp.min(jnp.where(hit, jnp.arange(n, dtype=jnp.int32), n), axis=-1)
+
+    x = x.astype(jnp.float32)
+    return kernels.argmax(x, reductions) if kernels.fits(x) else reductions(x)
 
 
 def _window(scaled, weight, u, settings, k, use_k, use_p):
@@ -123,25 +130,25 @@ def sample_rows(keys: jax.Array, logits: jax.Array, settings: RowSettings, n_val
     # One materialised array for every program: XLA may contract x / t into an FMA inside a consumer
     # fusion, so per-program recomputations could disagree in the last bit.
     scaled = jax.lax.optimization_barrier(apply_temperature(logits, settings, n_valid))
-    # The sampling weights, only when some row samples (an all-greedy batch skips this pass over V).
-    weight = jax.lax.cond(jnp.any(~greedy), lambda: jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True)),
-                          lambda: jnp.zeros_like(scaled))  # fmt: skip
     u = jax.vmap(jax.random.uniform)(keys)  # one float32 in [0, 1) per row
     zeros = jnp.zeros(rows, jnp.int32)
 
-    best = argmax(scaled)
-    plain_weight = lambda: jnp.where(min_p_mask(weight, settings.min_p), weight, 0.0)
-    full_plain = jax.lax.cond(jnp.any(plain), lambda: inverse_cdf(plain_weight(), u), lambda: zeros)
-    win, exact = jax.lax.cond(jnp.any(use_k | use_p), lambda: _window(scaled, weight, u, settings, k, use_k, use_p),
-                              lambda: (zeros, jnp.zeros(rows, bool)))  # fmt: skip
-    need_full = ~greedy & ~plain & ~exact
+    def sampled():  # every program but greedy's: only run when some row samples
+        weight = jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True))  # the conds' operand: one array for all
+        plain_weight = lambda: jnp.where(min_p_mask(weight, settings.min_p), weight, 0.0)
+        full_plain = jax.lax.cond(jnp.any(plain), lambda: inverse_cdf(plain_weight(), u), lambda: zeros)
+        win, exact = jax.lax.cond(jnp.any(use_k | use_p), lambda: _window(scaled, weight, u, settings, k, use_k, use_p),
+                                  lambda: (zeros, jnp.zeros(rows, bool)))  # fmt: skip
+        need_full = ~greedy & ~plain & ~exact
 
-    def full():
-        kept = filter_scaled(scaled, settings) > -jnp.inf
-        return inverse_cdf(jnp.where(kept, weight, 0.0), u)
+        def full():
+            kept = filter_scaled(scaled, settings) > -jnp.inf
+            return inverse_cdf(jnp.where(kept, weight, 0.0), u)
 
-    full_tok = jax.lax.cond(jnp.any(need_full), full, lambda: zeros)
-    token = jnp.where(greedy, best, jnp.where(plain, full_plain, jnp.where(exact, win, full_tok)))
+        full_tok = jax.lax.cond(jnp.any(need_full), full, lambda: zeros)
+        return jnp.where(plain, full_plain, jnp.where(exact, win, full_tok))
+
+    token = jnp.where(greedy, argmax(scaled), jax.lax.cond(jnp.any(~greedy), sampled, lambda: zeros))
     return token[:b].astype(jnp.int32)
 
 
