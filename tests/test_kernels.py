@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from gpt2_jax import kernels
-from gpt2_jax.kernels import argmax, chain, rowdot, rowdot_int8
+from gpt2_jax.kernels import argmax, chain, rowdot, rowdot_int8, softmax
 
 pytestmark = pytest.mark.skipif(kernels.available() is None, reason="rowdot not built on this machine")
 
@@ -409,6 +409,34 @@ def test_a_paged_operand_is_read_through_its_block_table_with_the_bits_of_the_ga
         assert (bits(got[f"scores{layer}"]) == bits(chain(q, keys, out_ends=ends))).all()
         assert (bits(got[f"values{layer}"]) == bits(chain(w, values, in_ends=ends))).all()
     assert (got["scores0"] != 0).any() and (got["values1"] != 0).any()
+
+
+def test_attention_softmax_is_a_softmax_whose_row_bits_ignore_batch_and_capacity():
+    """kernels.softmax (attention's, over blocked scores [..., N, C]): a float64 softmax's values; masked slots
+    (NEG_INF) weigh exactly 0 and a fully masked row is uniform; a row's bits are the same alone or in a batch,
+    and with more all-masked blocks after it (a larger cache); its gradient is the softmax's."""
+    from gpt2_jax.model.attention import NEG_INF, block_softmax
+
+    rng = np.random.default_rng(4)
+    s = (rng.standard_normal((3, 5, 2, 3, 128)) * 4).astype(np.float32)
+    s[..., 2, 70:] = NEG_INF
+    f = jax.jit(lambda x: softmax(x, block_softmax))
+    w = np.asarray(f(s))
+    ref = np.exp(s.astype(np.float64) - s.max(axis=(-2, -1), keepdims=True))
+    ref /= ref.sum(axis=(-2, -1), keepdims=True)
+    big = ref > 1e-30
+    assert np.max(np.abs(w[big] - ref[big]) / ref[big]) < 4e-6
+    assert (w[..., 2, 70:] == 0).all()
+    assert (np.asarray(f(np.full((1, 1, 1, 3, 128), NEG_INF, np.float32))) == np.float32(1 / 384)).all()
+    assert (bits(f(s[2:, 4:])) == bits(w[2:, 4:])).all()  # alone
+    wider = np.concatenate([s, np.full((3, 5, 2, 2, 128), NEG_INF, np.float32)], axis=-2)
+    w_wide = np.asarray(f(wider))
+    assert (bits(w_wide[..., :3, :])[big] == bits(w)[big]).all() and (w_wide[..., 3:, :][big[..., :2, :]] == 0).all()
+    assert (bits(w) != bits(np.asarray(block_softmax(s)))).any()  # its own arithmetic, not XLA's
+    g = rng.standard_normal(s.shape).astype(np.float32)
+    got = jax.grad(lambda x: (softmax(x, block_softmax) * g).sum())(s)
+    want = jax.grad(lambda x: (jax.nn.softmax(x.reshape(3, 5, 2, -1), axis=-1).reshape(x.shape) * g).sum())(s)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
 
 
 def test_argmax_is_numpys_first_maximum_and_first_nan():

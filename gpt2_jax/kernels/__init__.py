@@ -21,6 +21,7 @@ compute each output by the same instructions whatever M is:
           attention's short dot products (64 for the scores), where rowdot's lane sums cost as much as
           its multiply-adds.
 
+`softmax` is attention's softmax over blocked scores, its sum added block by block (softmax.h).
 `cumsum` is the sampler's prefix sum, accumulated in float64 as torch's is; `argmax` its greedy token.
 
 Both matmuls can skip work a row does not need without changing anything it does need (attention's causal
@@ -33,9 +34,9 @@ the extension was not built (no C++ compiler at install time) or the CPU lacks A
 says which. Gradients are XLA's matmuls: gradients are compared to a tolerance, never bitwise across
 batch shapes.
 
-  ffi.py        the XLA FFI targets, rowdot / chain / cumsum / argmax and their custom VJPs
+  ffi.py        the XLA FFI targets, rowdot / chain / softmax / cumsum / argmax and their custom VJPs
   invariance.py what else keeps a row's bits batch-independent on XLA's CPU backend (row padding)
-  cpu.cc        the Python module and FFI handlers; the arithmetic is rowdot.h, chain.h, int8.h, vnni_rows.h and amx.h
+  cpu.cc        the Python module and FFI handlers; the arithmetic is rowdot.h, chain.h, softmax.h, int8.h, vnni_rows.h and amx.h
 
 GPT2_JAX_ROWDOT_ISA (read once per process) forces an older instruction set where the CPU has a newer one:
 avx2 (both kernels), avx512 (int8 without VNNI), avx512-vnni (int8 without AMX). The tests use it to
@@ -53,6 +54,7 @@ from gpt2_jax.kernels.ffi import (
     int8_isa,
     rowdot,
     rowdot_int8,
+    softmax,
     why_unavailable,
 )
 from gpt2_jax.kernels.invariance import MIN_REDUCE, min_rows, pad_rows
@@ -71,5 +73,6 @@ __all__ = [
     "pad_rows",
     "rowdot",
     "rowdot_int8",
+    "softmax",
     "why_unavailable",
 ]

@@ -25,6 +25,7 @@
 #include "chain.h"
 #include "int8.h"
 #include "rowdot.h"
+#include "softmax.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -293,10 +294,40 @@ ffi::Error ArgMaxImpl(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::S32> y) {
   return ffi::Error::Success();
 }
 
+// Attention's softmax (softmax.h) over scores [..., N, C] (C a multiple of 8) -> weights of the same shape, rows
+// shared out to the pool's threads in chunks of 64.
+ffi::Error SoftmaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> s, ffi::ResultBuffer<ffi::F32> w) {
+  auto d = s.dimensions();
+  if (d.size() < 2 || d[d.size() - 1] % 8 != 0)
+    return ffi::Error::InvalidArgument("softmax: scores [..., N, C] with C a multiple of 8");
+  const int64_t n = d[d.size() - 2], c = d[d.size() - 1], len = n * c;
+  const int64_t rows = len == 0 ? 0 : static_cast<int64_t>(s.element_count()) / len, chunks = (rows + 63) / 64;
+  if (rows == 0) return ffi::Error::Success();
+  struct Shared {
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto sh = std::make_shared<Shared>();
+  const float* in = s.typed_data();
+  float* out = w->typed_data();
+  auto work = [sh, in, out, n, c, len, rows, chunks] {
+    for (int64_t i; (i = sh->next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
+      for (int64_t r = i * 64; r < std::min(rows, (i + 1) * 64); ++r) softmax::Row(in + r * len, out + r * len, n, c);
+      sh->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), chunks) - 1;
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { work(); });
+  work();
+  while (sh->done.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GPT2JaxCumSum, CumSumImpl,
                               ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GPT2JaxSoftmax, SoftmaxImpl,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GPT2JaxArgMax, ArgMaxImpl,
                               ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::S32>>());
 
@@ -354,13 +385,14 @@ static PyMethodDef kMethods[] = {
     {"handler_chain_at", Capsule<GPT2JaxChainAt>, METH_NOARGS, "handler_chain reading one entry of a stacked w."},
     {"handler_chain_paged", Capsule<GPT2JaxChainPaged>, METH_NOARGS, "handler_chain reading a paged KV cache."},
     {"handler_cumsum", Capsule<GPT2JaxCumSum>, METH_NOARGS, "cumsum: float32 prefix sums accumulated in float64."},
+    {"handler_softmax", Capsule<GPT2JaxSoftmax>, METH_NOARGS, "softmax: attention's weights from blocked scores."},
     {"handler_argmax", Capsule<GPT2JaxArgMax>, METH_NOARGS, "argmax: the first maximum's position (first NaN's if any)."},
     {"isa", Isa, METH_NOARGS, "Which instruction set the kernel runs with here: 'avx512' or 'avx2'."},
     {"isa_int8", IsaInt8, METH_NOARGS, "rowdot_int8's instruction set here: 'amx-int8', 'avx512-vnni', 'avx512' or 'avx2'."},
     {"usable", Usable, METH_NOARGS, "Whether this CPU has what the kernel needs (AVX2 and FMA)."},
     {nullptr, nullptr, 0, nullptr}};
 
-static PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_cpu", "gpt2_jax's batch-invariant CPU kernels: rowdot, chain, cumsum and argmax",
+static PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_cpu", "gpt2_jax's batch-invariant CPU kernels: rowdot, chain, softmax, cumsum and argmax",
                               -1, kMethods};
 
 PyMODINIT_FUNC PyInit__cpu() { return PyModule_Create(&kModule); }

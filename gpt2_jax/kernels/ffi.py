@@ -26,7 +26,8 @@ if _cpu is not None and _cpu.usable() and not _DISABLED:
     for _suffix, _handler in (("", _cpu.handler), ("_int8", _cpu.handler_int8), ("_at", _cpu.handler_at), ("_ends", _cpu.handler_ends),
                               ("_at_ends", _cpu.handler_at_ends), ("_chain", _cpu.handler_chain),
                               ("_chain_at", _cpu.handler_chain_at), ("_chain_paged", _cpu.handler_chain_paged),
-                              ("_cumsum", _cpu.handler_cumsum), ("_argmax", _cpu.handler_argmax)):  # fmt: skip
+                              ("_cumsum", _cpu.handler_cumsum), ("_argmax", _cpu.handler_argmax),
+                              ("_softmax", _cpu.handler_softmax)):  # fmt: skip
         jax.ffi.register_ffi_target(TARGET + _suffix, _handler(), platform="cpu")
     _REGISTERED = True
 
@@ -212,6 +213,33 @@ def cumsum(x: jax.Array, other) -> jax.Array:
         return jax.ffi.ffi_call(TARGET + "_cumsum", jax.ShapeDtypeStruct(x.shape, F32), vmap_method="broadcast_all")(x)
 
     return jax.lax.platform_dependent(x, cpu=kernel, default=other)
+
+
+def softmax(scores: jax.Array, other) -> jax.Array:
+    """Attention's blocked scores [..., N, C] float32 (masked slots a large negative number) -> weights, each
+    row's N x C softmax with its sum added block by block (softmax.h): a row's bits depend on its scores
+    alone. `other(scores)` where the kernel does not run; the gradient is the softmax's."""
+    if not _REGISTERED:
+        return other(scores)
+    return jax.lax.platform_dependent(scores, cpu=_softmax, default=other)
+
+
+@jax.custom_vjp
+def _softmax(scores: jax.Array) -> jax.Array:
+    out = jax.ShapeDtypeStruct(scores.shape, F32)
+    return jax.ffi.ffi_call(TARGET + "_softmax", out, vmap_method="broadcast_all")(scores)
+
+
+def _softmax_fwd(scores):
+    w = _softmax(scores)
+    return w, w
+
+
+def _softmax_bwd(w, g):
+    return (w * (g - jnp.sum(g * w, axis=(-2, -1), keepdims=True)),)
+
+
+_softmax.defvjp(_softmax_fwd, _softmax_bwd)
 
 
 def argmax(x: jax.Array, other) -> jax.Array:

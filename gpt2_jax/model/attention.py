@@ -39,8 +39,9 @@ def attend(
     multiply-add chain over K (see block_scores), the slots are grouped in whole blocks of KEY_BLOCK,
     each block's softmax mass is summed alone and the blocks' sums added in order, so masked slots add
     exact zeros; each output of the weighted sum is one chain over the slots (see weighted_values), to
-    which masked slots add exact zeros too. A decode step's single query's scores are padded with copies
-    of its row so the softmax's reductions take XLA's large-input path (see MIN_REDUCE). Head-major operands keep
+    which masked slots add exact zeros too. With the kernels the softmax is one pass per query
+    (gpt2_jax.kernels.softmax); without them XLA's, whose reductions need a decode step's single query
+    padded with copies so they take their large-input path (see MIN_REDUCE). Head-major operands keep
     (B, H) as the leading batch dims, and the cache holds keys transposed, as the scores' kernel reads
     them (outputs along the slots): the cache is never transposed.
     Hook points: hook_attn_scores [B, H, T, S] (see tap_scores) and hook_pattern, the weights' real
@@ -55,33 +56,42 @@ def attend(
     # scores are padded after with copies of the last row (the same bits as scoring the copies: a decode step's
     # one query was scored 6 times at B = 1); XLA's matmul scores the padded queries.
     kernel = kernels.fits(q, kt, v)
-    Tq = max(T, -(-MIN_REDUCE // (B * H * Sp)), 1 if kernel else 2)
-    rows = T if kernel else Tq  # queries through the matmuls
+    # XLA's softmax reductions need enough (query, slot) elements to take their large-input path, and its matmul
+    # 2 queries: padded queries (copies of the last) make them up. The kernels (chain, softmax) compute each
+    # query's row on its own, so with them only the T real queries go through.
+    Tq = T if kernel else max(T, -(-MIN_REDUCE // (B * H * Sp)), 2)
     if Tq > T:
-        q = q if kernel else jnp.pad(q, ((0, 0), (0, 0), (0, Tq - T), (0, 0)), mode="edge")
+        q = jnp.pad(q, ((0, 0), (0, 0), (0, Tq - T), (0, 0)), mode="edge")
         mask = jnp.pad(mask, ((0, 0), (0, Tq - T), (0, 0)), mode="edge")
     # Each query's last visible slot + 1 (all S for a query that sees nothing): the kernel skips the scores
     # past it and the weighted sum's products there (exact zeros), half the work of a causal prefill.
     # Not under hooks, which may edit masked scores or weights.
     ends = None
     if tap is None and kernel:
-        last = jnp.max(jnp.where(mask[:, :T], jnp.arange(1, S + 1, dtype=jnp.int32), 0), axis=-1)  # [B or 1, T]
+        last = jnp.max(jnp.where(mask, jnp.arange(1, S + 1, dtype=jnp.int32), 0), axis=-1)  # [B or 1, T]
         ends = jnp.broadcast_to(jnp.where(last > 0, last, S)[:, None], (B, H, T))
-    scores = block_scores(q, kt, n, ends) * scale  # [B, H, rows, N, C]
-    scores = jnp.pad(scores, ((0, 0), (0, 0), (0, Tq - rows), (0, 0), (0, 0)), mode="edge")  # [B, H, T', N, C]
+    scores = block_scores(q, kt, n, ends) * scale  # [B, H, T', N, C]
     blocked = jnp.pad(mask, ((0, 0), (0, 0), (0, Sp - S))).reshape(mask.shape[0], 1, Tq, n, KEY_BLOCK)
     scores = jnp.where(blocked, scores, NEG_INF)
     if tap is not None:
         scores = tap_scores(tap, scores, blocked, mask[:, :T, :S])
+    weights = kernels.softmax(scores, block_softmax) if kernel else block_softmax(scores)
+    weights = dropout(weights, rate, key).reshape(B, H, Tq, Sp)
+    if tap is not None:
+        weights = weights.at[:, :, :T, :S].set(tap("hook_pattern", weights[:, :, :T, :S]))
+    return weighted_values(weights, v, ends)[:, :, :T]
+
+
+def block_softmax(scores: jax.Array) -> jax.Array:
+    """Blocked scores [B, H, T', N, C] -> weights: the softmax over each query's N x C slots, each block's mass
+    summed alone and the blocks' sums added in order (XLA's arithmetic; gpt2_jax.kernels.softmax is the same
+    recipe in one pass per query)."""
     e = jnp.exp(scores - jnp.max(scores, axis=(3, 4), keepdims=True))
     block_sums = e.sum(axis=-1)  # [B, H, T', N]
     total = block_sums[..., 0]
-    for j in range(1, n):  # in block order, so blocks past the last key add exact zeros
+    for j in range(1, scores.shape[3]):  # in block order, so blocks past the last key add exact zeros
         total = total + block_sums[..., j]
-    weights = dropout(e / total[..., None, None], rate, key).reshape(B, H, Tq, Sp)
-    if tap is not None:
-        weights = weights.at[:, :, :T, :S].set(tap("hook_pattern", weights[:, :, :T, :S]))
-    return weighted_values(weights[:, :, :rows], v, ends)[:, :, :T]
+    return e / total[..., None, None]
 
 
 def _array(a) -> jax.Array:
