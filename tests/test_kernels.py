@@ -114,6 +114,33 @@ def test_the_avx2_path_rounds_exactly_like_the_avx512_path(tmp_path):
     assert (bits(rowdot_int8(x, q, s)) == bits(int8_reference(x, q, s))).all()
 
 
+_ONE_ROW_SCRIPT = """
+import sys, numpy as np
+from gpt2_jax import kernels
+rng = np.random.default_rng(6)
+x = rng.standard_normal((2, 770), np.float32); w = rng.standard_normal((37, 770), np.float32)
+q = rng.integers(-127, 128, (37, 770), dtype=np.int8); s = rng.uniform(1e-3, 1e-1, 37).astype(np.float32)
+np.save(sys.argv[1], np.asarray(kernels.rowdot(x[:1], w))); np.save(sys.argv[2], np.asarray(kernels.rowdot_int8(x[:1], q, s)))
+"""
+
+
+@pytest.mark.skipif(kernels.available() != "avx512", reason="needs an AVX-512 CPU to compare the two 1-row tiles")
+def test_the_one_row_tiles_on_amd_round_like_avx512s(tmp_path):
+    """A decode step's single row takes AVX2's 1-row tiles on AMD (rowdot.h's AvxTwoForOneRow) and AVX-512's
+    elsewhere, or wherever GPT2_JAX_ROWDOT_ISA names an AVX-512 path (forced here in a fresh process): fp32
+    and int8, the same bits as each other, as two rows' first row, and as the int8 reference."""
+    outs = tmp_path / "fp32.npy", tmp_path / "int8.npy"
+    env = dict(os.environ, GPT2_JAX_ROWDOT_ISA="avx512", JAX_PLATFORMS="cpu")
+    subprocess.run([sys.executable, "-c", _ONE_ROW_SCRIPT, *map(str, outs)], check=True, env=env, timeout=300)
+    rng = np.random.default_rng(6)
+    x, w = rng.standard_normal((2, 770), np.float32), rng.standard_normal((37, 770), np.float32)
+    q, s = rng.integers(-127, 128, (37, 770), dtype=np.int8), rng.uniform(1e-3, 1e-1, 37).astype(np.float32)
+    assert (bits(np.load(outs[0])) == bits(rowdot(x[:1], w))).all()
+    assert (bits(rowdot(x[:1], w)) == bits(rowdot(x, w)[:1])).all()
+    assert (bits(np.load(outs[1])) == bits(rowdot_int8(x[:1], q, s))).all()
+    assert (bits(rowdot_int8(x[:1], q, s)) == bits(int8_reference(x[:1], q, s))).all()
+
+
 def int8_reference(x: np.ndarray, q: np.ndarray, s: np.ndarray) -> np.ndarray:
     """rowdot_int8's arithmetic written out in numpy (int8.h): each row of x rounded to int16 by its largest
     |x| (in float64), the dot products exact in int64, then total * row scale * scale in float64, rounded once."""

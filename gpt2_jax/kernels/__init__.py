@@ -39,7 +39,8 @@ batch shapes.
   cpu.cc        the Python module and FFI handlers; the arithmetic is rowdot.h, chain.h, softmax.h, int8.h, vnni_rows.h and amx.h
 
 GPT2_JAX_ROWDOT_ISA (read once per process) forces an older instruction set where the CPU has a newer one:
-avx2 (both kernels), avx512 (int8 without VNNI), avx512-vnni (int8 without AMX). The tests use it to
+avx2 (both kernels), avx512 (int8 without VNNI), avx512-vnni (int8 without AMX); either of the last two
+also keeps AVX-512's 1-row tiles on AMD, which otherwise take AVX2's (rowdot.h, AvxTwoForOneRow). The tests use it to
 check that every path gives the same bits; available() and int8_isa() say what runs.
 """
 

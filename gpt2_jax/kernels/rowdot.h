@@ -147,10 +147,21 @@ struct Kernel {
 // Two tile shapes, the same arithmetic per output. A decode step's few rows take one row tile, 8 x 3,
 // so each w vector loaded from memory feeds all of them; many rows (a prefill) take 4 x 6 tiles, which
 // load fewer vectors per multiply-add (measured on a 2-core AMD EPYC: 26 vs 20 GB/s at 8 rows, 172 vs
-// 150 GFLOP/s at 512).
+// 150 GFLOP/s at 512). One row (decode at B=1) takes `one`: the few-row tile's, except on AMD, where it is
+// AVX2's (see AvxTwoForOneRow).
 struct Kernels {
-  Kernel few, many;
+  Kernel one, few, many;
 };
+
+// AMD's AVX-512 cores (Zen 4) run a 512-bit operation as two 256-bit halves, so a 1-row tile, which only
+// streams w, gains nothing from the width; AVX2's 1-row tiles decoded faster there (2026-12-05, a 2-core AMD
+// EPYC, generate at B=1 with the tile switched at run time in one process: fp32 1.04-1.09x, int8 1.13-1.14x),
+// while on a Xeon the AVX-512 path was the faster. GPT2_JAX_ROWDOT_ISA=avx512... keeps AVX-512 for every tile.
+// The bits are the same either way.
+inline bool AvxTwoForOneRow(const char* forced) {
+  __builtin_cpu_init();
+  return __builtin_cpu_is("amd") && (forced == nullptr || std::string(forced).rfind("avx512", 0) != 0);
+}
 
 inline const Kernels& Pick() {
   static const Kernels k = [] {
@@ -158,17 +169,21 @@ inline const Kernels& Pick() {
     // GPT2_JAX_ROWDOT_ISA=avx2 takes the AVX2 path on an AVX-512 CPU (the tests compare the two).
     const char* isa = std::getenv("GPT2_JAX_ROWDOT_ISA");
     bool force_avx2 = isa != nullptr && std::string(isa) == "avx2";
-    if (__builtin_cpu_supports("avx512f") && !force_avx2)
-      return Kernels{{"avx512", 8, 3, {nullptr, Tile512<1, 3>, Tile512<2, 3>, Tile512<3, 3>, Tile512<4, 3>,
-                                       Tile512<5, 3>, Tile512<6, 3>, Tile512<7, 3>, Tile512<8, 3>}},
-                     {"avx512", 4, 6, {nullptr, Tile512<1, 6>, Tile512<2, 6>, Tile512<3, 6>, Tile512<4, 6>}}};
     Kernel avx2{"avx2", 2, 3, {nullptr, Tile256<1, 3>, Tile256<2, 3>}};
-    return Kernels{avx2, avx2};
+    if (__builtin_cpu_supports("avx512f") && !force_avx2) {
+      Kernel few{"avx512", 8, 3, {nullptr, Tile512<1, 3>, Tile512<2, 3>, Tile512<3, 3>, Tile512<4, 3>,
+                                  Tile512<5, 3>, Tile512<6, 3>, Tile512<7, 3>, Tile512<8, 3>}};
+      return Kernels{AvxTwoForOneRow(isa) ? avx2 : few, few,
+                     {"avx512", 4, 6, {nullptr, Tile512<1, 6>, Tile512<2, 6>, Tile512<3, 6>, Tile512<4, 6>}}};
+    }
+    return Kernels{avx2, avx2, avx2};
   }();
   return k;
 }
 
-inline const Kernel& For(int64_t rows) { return rows <= Pick().few.mr ? Pick().few : Pick().many; }
+inline const Kernel& For(int64_t rows) {
+  return rows == 1 ? Pick().one : rows <= Pick().few.mr ? Pick().few : Pick().many;
+}
 
 // What a row's end means (rowdot's `ends`, one int per x row): nothing; outputs n >= end are not needed
 // (attention's scores past a query's last visible slot: written as 0, never computed); or x[m, k] == 0
