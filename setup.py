@@ -1,5 +1,5 @@
 """Builds gpt2_jax's one compiled piece, the batch-invariant CPU kernels (gpt2_jax/kernels/cpu.cc: rowdot,
-chain and cumsum), against the XLA FFI headers of the jax in the build environment (jax.ffi.include_dir();
+chain, softmax, cumsum and argmax), against the XLA FFI headers of the jax in the build environment (jax.ffi.include_dir();
 pyproject.toml pins that jax to the range the package runs with). Everything else is in pyproject.toml. The extension is
 optional: without a C++ compiler the install still succeeds and the model runs on XLA's own matmul
 (gpt2_jax.kernels.available() says which)."""
@@ -24,6 +24,7 @@ setup(
                 "gpt2_jax/kernels/int8.h",
                 "gpt2_jax/kernels/amx.h",
                 "gpt2_jax/kernels/vnni_rows.h",
+                "gpt2_jax/kernels/softmax.h",
             ],
             include_dirs=[_xla_include()],
             language="c++",
