@@ -51,10 +51,6 @@ def attend(
     n = -(-S // KEY_BLOCK)
     Sp = n * KEY_BLOCK
     mask = jnp.broadcast_to(mask, (mask.shape[0], T, S))
-    # Enough (query, slot) elements for the softmax's reductions; XLA's matmul also needs 2 queries. The kernels
-    # compute each query's row on its own, so with them only the T real queries are scored and weighted, and the
-    # scores are padded after with copies of the last row (the same bits as scoring the copies: a decode step's
-    # one query was scored 6 times at B = 1); XLA's matmul scores the padded queries.
     kernel = kernels.fits(q, kt, v)
     # XLA's softmax reductions need enough (query, slot) elements to take their large-input path, and its matmul
     # 2 queries: padded queries (copies of the last) make them up. The kernels (chain, softmax) compute each
