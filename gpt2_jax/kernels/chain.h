@@ -138,7 +138,8 @@ inline const WideFn* Wides() {  // Wides()[v]: v vectors (1 <= v <= kWideNV), or
   static const WideFn avx512[] = {nullptr,      Wide512<1>,  Wide512<2>,  Wide512<3>,  Wide512<4>,  Wide512<5>,
                                   Wide512<6>,   Wide512<7>,  Wide512<8>,  Wide512<9>,  Wide512<10>, Wide512<11>,
                                   Wide512<12>,  Wide512<13>, Wide512<14>, Wide512<15>, Wide512<16>};
-  return std::string(rowdot::Pick().few.isa) == "avx512" ? avx512 : nullptr;
+  static const WideFn* picked = std::string(rowdot::Pick().few.isa) == "avx512" ? avx512 : nullptr;
+  return picked;
 }
 
 // One query row m's outputs [n0, n1) through Wides(), zeros past its end.
@@ -173,7 +174,8 @@ struct Pages {
 inline const TileFn* Tiles() {  // Tiles()[r]: r rows (1 <= r <= kMR)
   static const TileFn avx512[] = {nullptr, Tile512<1>, Tile512<2>, Tile512<3>, Tile512<4>, Tile512<5>, Tile512<6>};
   static const TileFn avx2[] = {nullptr, Tile256<1>, Tile256<2>, Tile256<3>, Tile256<4>, Tile256<5>, Tile256<6>};
-  return std::string(rowdot::Pick().few.isa) == "avx512" ? avx512 : avx2;
+  static const TileFn* picked = std::string(rowdot::Pick().few.isa) == "avx512" ? avx512 : avx2;
+  return picked;
 }
 
 // Rows [m0, m1) x outputs [n0, n1) of y, column tiles outside (a w panel stays in L1 across row tiles).

@@ -34,58 +34,68 @@ namespace {
 
 using rowdot::Problem;
 
+// Items [0, n), item(i) each, shared out to XLA's own intra-op threads and this one; returns once every item
+// is done. The caller waits only for items some thread has claimed, so a task the pool starts late finds
+// nothing left (the counters are shared so they outlive the call; it never calls item then).
+template <typename F>
+void Parallel(ffi::ThreadPool& pool, int64_t n, const F& item) {
+  struct Counters {
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto c = std::make_shared<Counters>();
+  auto work = [c, n, &item] {
+    for (int64_t i; (i = c->next.fetch_add(1, std::memory_order_relaxed)) < n;) {
+      item(i);
+      c->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { work(); });
+  work();
+  while (c->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+}
+
 // `batch` problems of the same shape, problem b at x + b * x_step, w + b * w_step, y + b * M * N
 // (and ends + b * M when x_step is not 0).
-struct Shared {
+struct Batch {
   Problem p;  // problem 0
   bool chain;  // chain's arithmetic (w [K, N]) instead of rowdot's (w [N, K])
   int64_t batch, x_step, w_step;
-  int64_t row_blocks, per_problem, items;
+  int64_t row_blocks, per_problem;
   // A paged w (chain only): problem b is row b / heads, head b % heads; its pages start at
   // pages.base + (b % heads) * head_stride, its table at pages.table + (b / heads) * table_stride.
   bool paged = false;
   chain::Pages pages{};
   int64_t heads = 1, head_stride = 0, table_stride = 0;
-  std::atomic<int64_t> next{0}, done{0};
 };
 
-void Work(Shared& s) {
-  for (int64_t i; (i = s.next.fetch_add(1, std::memory_order_relaxed)) < s.items;) {
-    int64_t b = i / s.per_problem;
-    Problem p = s.p;
-    p.x += b * s.x_step, p.w += b * s.w_step, p.y += b * p.M * p.N;
-    if (p.ends != nullptr && s.x_step != 0) p.ends += b * p.M;
-    if (s.paged) {
-      chain::Pages pages = s.pages;
-      pages.base += (b % s.heads) * s.head_stride, pages.table += (b / s.heads) * s.table_stride;
-      chain::Item(p, s.row_blocks, i % s.per_problem, &pages);
-    } else if (s.chain)
-      chain::Item(p, s.row_blocks, i % s.per_problem);
-    else if (p.wq != nullptr)
-      int8::Item(p, s.row_blocks, i % s.per_problem);
-    else
-      rowdot::Item(p, s.row_blocks, i % s.per_problem);
-    s.done.fetch_add(1, std::memory_order_release);
-  }
+// Work item i of the batch's list (every problem's items, problem by problem).
+void Item(const Batch& s, int64_t i) {
+  int64_t b = i / s.per_problem;
+  Problem p = s.p;
+  p.x += b * s.x_step, p.w += b * s.w_step, p.y += b * p.M * p.N;
+  if (p.ends != nullptr && s.x_step != 0) p.ends += b * p.M;
+  if (s.paged) {
+    chain::Pages pages = s.pages;
+    pages.base += (b % s.heads) * s.head_stride, pages.table += (b / s.heads) * s.table_stride;
+    chain::Item(p, s.row_blocks, i % s.per_problem, &pages);
+  } else if (s.chain)
+    chain::Item(p, s.row_blocks, i % s.per_problem);
+  else if (p.wq != nullptr)
+    int8::Item(p, s.row_blocks, i % s.per_problem);
+  else
+    rowdot::Item(p, s.row_blocks, i % s.per_problem);
 }
 
-// Every problem's work items in one list, shared by XLA's own intra-op threads and this one. The caller
-// waits only for items some thread has claimed, so a task the pool starts late finds nothing left.
+// Every problem's work items in one list, shared by XLA's own intra-op threads and this one (Parallel).
 void Run(ffi::ThreadPool& pool, const Problem& p, int64_t batch, int64_t x_step, int64_t w_step, bool chain,
-         const Shared* paged = nullptr) {
+         const Batch* paged = nullptr) {
   if (p.M == 0 || p.N == 0 || batch == 0) return;
-  auto s = std::make_shared<Shared>();
-  if (paged != nullptr)
-    s->paged = true, s->pages = paged->pages, s->heads = paged->heads, s->head_stride = paged->head_stride,
-    s->table_stride = paged->table_stride;
-  s->p = p, s->chain = chain, s->batch = batch, s->x_step = x_step, s->w_step = w_step;
-  s->row_blocks = chain ? chain::RowBlocks(p) : p.wq != nullptr ? int8::RowBlocks(p) : rowdot::RowBlocks(p);
-  s->per_problem = chain ? chain::Items(p) : p.wq != nullptr ? int8::Items(p) : rowdot::Items(p);
-  s->items = batch * s->per_problem;
-  int64_t helpers = std::min<int64_t>(pool.num_threads(), s->items) - 1;
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([s] { Work(*s); });
-  Work(*s);
-  while (s->done.load(std::memory_order_acquire) < s->items) std::this_thread::yield();
+  Batch s = paged != nullptr ? *paged : Batch{};
+  s.p = p, s.chain = chain, s.batch = batch, s.x_step = x_step, s.w_step = w_step;
+  s.row_blocks = chain ? chain::RowBlocks(p) : p.wq != nullptr ? int8::RowBlocks(p) : rowdot::RowBlocks(p);
+  s.per_problem = chain ? chain::Items(p) : p.wq != nullptr ? int8::Items(p) : rowdot::Items(p);
+  Parallel(pool, batch * s.per_problem, [&s](int64_t i) { Item(s, i); });
 }
 
 int64_t Product(const int64_t* dims, size_t n) {
@@ -225,7 +235,8 @@ ffi::Error ChainPagedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
     return ffi::Error::InvalidArgument("chain_paged: table rows, heads or block size (a multiple of 64) disagree");
   if (I != (keys ? K : M * C))
     return ffi::Error::InvalidArgument("chain_paged: x's last dim must be K (keys) or M x C (values)");
-  Shared paged;
+  Batch paged;
+  paged.paged = true;
   int64_t l = std::clamp<int64_t>(layer.typed_data()[0], 0, L - 1);
   paged.pages = chain::Pages{blocks.typed_data() + l * NB * H * K * C, table.typed_data(), H * K * C, C, NB,
                              keys != 0};
@@ -257,24 +268,14 @@ ffi::Error CumSumImpl(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y) {
 }
 
 // The position of the first maximum of x[0 .. n), or of the first NaN where there is one: jnp.argmax's answer.
-// Two vector passes (the largest value and whether a NaN is there, then the first position holding it)
+// Two vector passes (the largest value and whether a NaN is there, softmax::RowMax; then the first position holding it)
 // over a row that stays in cache; comparisons only, so any instruction set gives the same answer.
 __attribute__((target("avx2"))) int32_t FirstMax(const float* x, int64_t n) {
-  __m256 top = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), odd = _mm256_setzero_ps();
+  bool nan;
+  const float best = softmax::RowMax(x, n, &nan);
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 v = _mm256_loadu_ps(x + i);
-    top = _mm256_max_ps(v, top);  // a NaN v gives top back: NaNs are tracked apart
-    odd = _mm256_or_ps(odd, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  }
-  alignas(32) float t[8];
-  _mm256_store_ps(t, top);
-  float best = t[0];
-  for (int l = 1; l < 8; ++l) best = std::max(best, t[l]);
-  bool nan = _mm256_movemask_ps(odd) != 0;
-  for (int64_t j = i; j < n; ++j) nan |= std::isnan(x[j]), best = std::isnan(x[j]) ? best : std::max(best, x[j]);
   const __m256 want = _mm256_set1_ps(best);
-  for (i = 0; i + 8 <= n; i += 8) {
+  for (; i + 8 <= n; i += 8) {
     const __m256 v = _mm256_loadu_ps(x + i);
     const int hit = _mm256_movemask_ps(nan ? _mm256_cmp_ps(v, v, _CMP_UNORD_Q) : _mm256_cmp_ps(v, want, _CMP_EQ_OQ));
     if (hit != 0) return static_cast<int32_t>(i + __builtin_ctz(hit));
@@ -301,24 +302,12 @@ ffi::Error SoftmaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> s, ffi::Resul
   if (d.size() < 2 || d[d.size() - 1] % 8 != 0)
     return ffi::Error::InvalidArgument("softmax: scores [..., N, C] with C a multiple of 8");
   const int64_t n = d[d.size() - 2], c = d[d.size() - 1], len = n * c;
-  const int64_t rows = len == 0 ? 0 : static_cast<int64_t>(s.element_count()) / len, chunks = (rows + 63) / 64;
-  if (rows == 0) return ffi::Error::Success();
-  struct Shared {
-    std::atomic<int64_t> next{0}, done{0};
-  };
-  auto sh = std::make_shared<Shared>();
+  const int64_t rows = len == 0 ? 0 : static_cast<int64_t>(s.element_count()) / len;
   const float* in = s.typed_data();
   float* out = w->typed_data();
-  auto work = [sh, in, out, n, c, len, rows, chunks] {
-    for (int64_t i; (i = sh->next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
-      for (int64_t r = i * 64; r < std::min(rows, (i + 1) * 64); ++r) softmax::Row(in + r * len, out + r * len, n, c);
-      sh->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), chunks) - 1;
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { work(); });
-  work();
-  while (sh->done.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
+  Parallel(pool, (rows + 63) / 64, [=](int64_t i) {
+    for (int64_t r = i * 64; r < std::min(rows, (i + 1) * 64); ++r) softmax::Row(in + r * len, out + r * len, n, c);
+  });
   return ffi::Error::Success();
 }
 

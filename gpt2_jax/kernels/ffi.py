@@ -202,26 +202,27 @@ def _product(is_chain: bool, x, w, out_ends, in_ends) -> jax.Array:
     return _dense_ends(x, w, ends, mode, is_chain)
 
 
+def _on_cpu(kernel, other, x: jax.Array) -> jax.Array:
+    """kernel(x) where the compiling platform is the CPU and the kernels are registered, else other(x)."""
+    return jax.lax.platform_dependent(x, cpu=kernel, default=other) if _REGISTERED else other(x)
+
+
 def cumsum(x: jax.Array, other) -> jax.Array:
     """x [..., N] float32 -> [..., N]: each prefix sum accumulated in float64 and rounded to float32 (as
     torch's CPU cumsum does), one sequential pass per row; `other(x)` where the kernel does not run (not
     built, or not the compiling platform; inside a mesh, where XLA cannot split it, see `fits`)."""
-    if not _REGISTERED:
-        return other(x)
 
     def kernel(x):
         return jax.ffi.ffi_call(TARGET + "_cumsum", jax.ShapeDtypeStruct(x.shape, F32), vmap_method="broadcast_all")(x)
 
-    return jax.lax.platform_dependent(x, cpu=kernel, default=other)
+    return _on_cpu(kernel, other, x)
 
 
 def softmax(scores: jax.Array, other) -> jax.Array:
     """Attention's blocked scores [..., N, C] float32 (masked slots a large negative number) -> weights, each
     row's N x C softmax with its sum added block by block (softmax.h): a row's bits depend on its scores
     alone. `other(scores)` where the kernel does not run; the gradient is the softmax's."""
-    if not _REGISTERED:
-        return other(scores)
-    return jax.lax.platform_dependent(scores, cpu=_softmax, default=other)
+    return _on_cpu(_softmax, other, scores)
 
 
 @jax.custom_vjp
@@ -246,14 +247,12 @@ def argmax(x: jax.Array, other) -> jax.Array:
     """x [..., N] float32 -> [...] int32: jnp.argmax's answer (the first maximum, the first NaN if any) in one
     kernel pass per row; `other(x)` where the kernel does not run (as for cumsum). Comparisons only, so
     both give the same answer."""
-    if not _REGISTERED:
-        return other(x)
 
     def kernel(x):
         out = jax.ShapeDtypeStruct(x.shape[:-1], jnp.int32)
         return jax.ffi.ffi_call(TARGET + "_argmax", out, vmap_method="broadcast_all")(x)
 
-    return jax.lax.platform_dependent(x, cpu=kernel, default=other)
+    return _on_cpu(kernel, other, x)
 
 
 def _einsum(x: jax.Array, w: jax.Array, is_chain: bool = False) -> jax.Array:

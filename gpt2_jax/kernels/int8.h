@@ -243,19 +243,17 @@ inline const Kernels& Pick() {
     std::string forced = env == nullptr ? "" : env;
     bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && forced != "avx2";
     // One row on AMD: AVX2's 1 x 8 tile (rowdot::AvxTwoForOneRow says why), the same integer sums.
-    const bool one_avx2 = rowdot::AvxTwoForOneRow(env);
+    auto one_row = [env](Kernels k) {
+      if (rowdot::AvxTwoForOneRow(env)) k.one.tiles[1] = Tile256<1, 8>;
+      return k;
+    };
     if (avx512 && __builtin_cpu_supports("avx512vnni") && forced != "avx512") {
       Kernels vnni = GPT2_JAX_INT8_KERNELS("avx512-vnni", TileVnni);
       vnni.vnni = true;
       if (forced != "avx512-vnni" && amx::Usable()) vnni.isa = "amx-int8", vnni.amx = true;
-      if (one_avx2) vnni.one.tiles[1] = Tile256<1, 8>;
-      return vnni;
+      return one_row(vnni);
     }
-    if (avx512) {
-      Kernels k512 = GPT2_JAX_INT8_KERNELS("avx512", Tile512);
-      if (one_avx2) k512.one.tiles[1] = Tile256<1, 8>;
-      return k512;
-    }
+    if (avx512) return one_row(GPT2_JAX_INT8_KERNELS("avx512", Tile512));
     return Kernels{"avx2",
                    {1, 8, {nullptr, Tile256<1, 8>}, 1},
                    {2, 4, {nullptr, Tile256<1, 4>, Tile256<2, 4>}},

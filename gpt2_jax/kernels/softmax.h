@@ -10,6 +10,8 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 namespace softmax {
@@ -40,19 +42,31 @@ __attribute__((target("avx2,fma"))) inline float Lanes(__m256 v) {  // ((0 + 4) 
   return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
 }
 
+// The largest value of x[0 .. n) that is not NaN (-inf if none), and whether a NaN is there (*nan):
+// comparisons only, so the same on any instruction set. Also the greedy token's first pass (cpu.cc, FirstMax).
+__attribute__((target("avx2"))) inline float RowMax(const float* x, int64_t n, bool* nan) {
+  __m256 top = _mm256_set1_ps(-__builtin_inff()), odd = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    top = _mm256_max_ps(v, top);  // a NaN v gives top back: NaNs are tracked apart
+    odd = _mm256_or_ps(odd, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  }
+  alignas(32) float t[8];
+  _mm256_store_ps(t, top);
+  float best = t[0];
+  for (int l = 1; l < 8; ++l) best = std::max(best, t[l]);
+  *nan = _mm256_movemask_ps(odd) != 0;
+  for (; i < n; ++i) *nan |= std::isnan(x[i]), best = std::isnan(x[i]) ? best : std::max(best, x[i]);
+  return best;
+}
+
 // One row: s, w [n * c] (c a multiple of 8).
 __attribute__((target("avx2,fma"))) inline void Row(const float* s, float* w, int64_t n, int64_t c) {
   const int64_t len = n * c;
-  __m256 top = _mm256_set1_ps(-__builtin_inff()), odd = _mm256_setzero_ps();
-  for (int64_t i = 0; i < len; i += 8) {
-    const __m256 v = _mm256_loadu_ps(s + i);
-    top = _mm256_max_ps(v, top), odd = _mm256_or_ps(odd, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  }
-  __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-  t = _mm_max_ps(t, _mm_movehl_ps(t, t));
-  t = _mm_max_ss(t, _mm_movehdup_ps(t));
-  const bool nan = _mm256_movemask_ps(odd) != 0;  // a NaN anywhere: every weight NaN
-  const __m256 m = _mm256_set1_ps(nan ? __builtin_nanf("") : _mm_cvtss_f32(t));
+  bool nan;
+  const float top = RowMax(s, len, &nan);
+  const __m256 m = _mm256_set1_ps(nan ? __builtin_nanf("") : top);  // a NaN anywhere: every weight NaN
   float total = 0.0f;
   for (int64_t b = 0; b < n; ++b) {
     __m256 acc = _mm256_setzero_ps();
