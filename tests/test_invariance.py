@@ -171,13 +171,14 @@ def test_log_softmax_rows_keep_their_bits_for_every_row_count():
             assert all((g == r[start : start + R]).all() for g, r in zip(got, ref)), (start, R)
 
 
-@pytest.fixture(scope="module")
-def int8_runs(model):
-    """int8 weight-only params (gpt2_jax.model.precision) and their sampled run of the 4 prompts as one batch."""
-    from gpt2_jax.model.precision import quantize_int8
+@pytest.fixture(scope="module", params=["int8", "w8a8"])
+def int8_runs(model, request):
+    """int8 weight-only params (gpt2_jax.model.precision), or w8a8's (the same weights, 8-bit matmul inputs), and
+    their sampled run of the 4 prompts as one batch."""
+    from gpt2_jax.model.precision import with_precision
 
     _, params, config = model
-    q = quantize_int8(params)
+    q = with_precision(params, request.param)
     keys = jax.random.split(jax.random.key(11), len(PROMPTS))
     batch = generate(q, config, PROMPTS, keys, max_new_tokens=N, eos_id=None, return_logprobs=True,
                      **SETTINGS["sampled"])  # fmt: skip
@@ -187,7 +188,8 @@ def int8_runs(model):
 def test_int8_rows_keep_their_bits_in_any_batch_and_equal_a_full_forward(model, batch_runs, int8_runs):
     """The int8 path (rowdot_int8 for every matmul and the tied head) keeps every property above: a row alone,
     in an odd batch of 3 and in the stacked layout has the batch's bits, and its decode logprobs are a full
-    int8 forward's. Its numbers are int8's, not float32's."""
+    int8 forward's. Its numbers are int8's, not float32's. The same for w8a8, whose 3 and 4 rows take a8.h's
+    byte tiles on VNNI and 1 row the int16 tiles."""
     _, params, config = model
     q, batch = int8_runs
     keys = jax.random.split(jax.random.key(11), len(PROMPTS))

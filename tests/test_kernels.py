@@ -6,6 +6,7 @@ process (the same bits as AVX-512), and XLA's own matmul as the contrast that sh
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -141,38 +142,65 @@ def test_the_one_row_tiles_on_amd_round_like_avx512s(tmp_path):
     assert (bits(rowdot_int8(x[:1], q, s)) == bits(int8_reference(x[:1], q, s))).all()
 
 
-def int8_reference(x: np.ndarray, q: np.ndarray, s: np.ndarray) -> np.ndarray:
-    """rowdot_int8's arithmetic written out in numpy (int8.h): each row of x rounded to int16 by its largest
-    |x| (in float64), the dot products exact in int64, then total * row scale * scale in float64, rounded once."""
+def int8_reference(x: np.ndarray, q: np.ndarray, s: np.ndarray, limit: int = 32767) -> np.ndarray:
+    """rowdot_int8's arithmetic written out in numpy (int8.h): each row of x rounded to int16 (limit 32767; w8a8's
+    8 bits: 127) by its largest |x| (in float64), the dot products exact in int64, then total * row scale * scale
+    in float64, rounded once."""
     amax = np.abs(x).max(axis=1)
-    xq = np.rint(x.astype(np.float64) * (32767.0 / np.where(amax > 0, amax, 1.0).astype(np.float64))[:, None])
+    xq = np.rint(x.astype(np.float64) * (limit / np.where(amax > 0, amax, 1.0).astype(np.float64))[:, None])
     total = xq.astype(np.int64) @ q.T.astype(np.int64)
-    row_scale = (amax / np.float32(32767.0)).astype(np.float32).astype(np.float64)
+    row_scale = (amax / np.float32(limit)).astype(np.float32).astype(np.float64)
     return (total.astype(np.float64) * row_scale[:, None] * s.astype(np.float64)).astype(np.float32)
 
 
+@pytest.mark.parametrize("mode", ["int8", "w8a8"])
 @pytest.mark.parametrize("K,N", SHAPES)
-def test_rowdot_int8_is_exact_integer_arithmetic_for_any_row_count(K, N):
-    """The int8 kernel's bits are a numpy int64 matmul's (over x rounded to int16 per row), rounded once, for
-    every slice of rows and under vmap; its value is within the int16 rounding of a float64 matmul's."""
+def test_rowdot_int8_is_exact_integer_arithmetic_for_any_row_count(K, N, mode):
+    """The int8 kernel's bits are a numpy int64 matmul's (over x rounded to int16 per row; w8a8, given the
+    weight rows' sums: to 8 bits), rounded once, for every slice of rows and under vmap; its value is within
+    that rounding of a float64 matmul's."""
     rng = np.random.default_rng(K + N)
     x = rng.standard_normal((150, K), np.float32) * rng.uniform(0.1, 30, (150, 1)).astype(np.float32)
     x[7] = 0.0  # a zero row (padding): exactly zero out
     q = rng.integers(-127, 128, (N, K), dtype=np.int8)
     s = rng.uniform(1e-3, 1e-1, N).astype(np.float32)
-    f = jax.jit(rowdot_int8)
+    limit, qsum = (32767, None) if mode == "int8" else (127, q.sum(1, dtype=np.int32))
+    f = jax.jit(functools.partial(rowdot_int8, qsum=qsum))
     full = np.asarray(f(x, q, s))
-    assert (bits(full) == bits(int8_reference(x, q, s))).all()
+    assert (bits(full) == bits(int8_reference(x, q, s, limit))).all()
     assert not full[7].any()
     exact = (x.astype(np.float64) @ q.T.astype(np.float64)) * s
-    bound = np.abs(x).max(1, keepdims=True).astype(np.float64) / 65534 * (np.abs(q).sum(1) * s)[None]
+    bound = np.abs(x).max(1, keepdims=True).astype(np.float64) / (2 * limit) * (np.abs(q).sum(1) * s)[None]
     assert np.all(np.abs(full - exact) <= bound * (1 + 1e-6) + 1e-6 * np.abs(exact))
-    for M in (1, 2, 3, 8, 9, 15, 16, 65):  # int8.h's tiles; from 16, AMX's or (without AMX) vnni_rows.h's
+    for M in (1, 2, 3, 8, 9, 15, 16, 65):  # int8.h's tiles (w8a8: a8.h's from 3 to 8); from 16, AMX's or vnni_rows.h's
         for start in (0, 5):
             rows = slice(start, start + M)
             assert (bits(f(x[rows], q, s)) == bits(full[rows])).all(), (M, start)
-    over_x = jax.vmap(rowdot_int8, (0, None, None))(x[:60].reshape(3, 20, K), q, s)  # vmap: one weight for all
+    over_x = jax.vmap(f, (0, None, None))(x[:60].reshape(3, 20, K), q, s)  # vmap: one weight for all
     assert (bits(over_x.reshape(60, N)) == bits(full[:60])).all()
+
+
+@pytest.mark.skipif(kernels.int8_isa() not in ("avx512-vnni", "amx-int8"), reason="a8.h's byte tiles need AVX512-VNNI")
+def test_w8a8s_few_rows_take_the_byte_tiles_that_read_the_weight_row_sums():
+    """3 to 8 rows of w8a8 run a8.h's vpdpbusd tiles, which take x + 128 and subtract 128 x each weight row's
+    sum: given sums off by one, exactly those rows' outputs move by 128 x row scale x scale (1, 2 and 16
+    rows take the int16 paths, which need no sums), so the tiles ran, and with the true sums they give the
+    reference bits."""
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((16, 768), np.float32)
+    q = rng.integers(-127, 128, (50, 768), dtype=np.int8)
+    s = np.full(50, 0.01, np.float32)
+    qsum = q.sum(1, dtype=np.int32)
+    for M in (1, 2, 5, 8, 16):
+        good = np.asarray(rowdot_int8(x[:M], q, s, qsum))
+        assert (bits(good) == bits(int8_reference(x[:M], q, s, 127))).all(), M
+        off = np.asarray(rowdot_int8(x[:M], q, s, qsum + 1))
+        row_scale = (np.abs(x[:M]).max(1) / np.float32(127)).astype(np.float32)
+        moved = -128 * row_scale[:, None].astype(np.float64) * s.astype(np.float64)
+        if 3 <= M <= 8:
+            np.testing.assert_allclose(off - good, moved, rtol=1e-3, atol=1e-6)
+        else:
+            assert (bits(off) == bits(good)).all(), M
 
 
 def test_rowdot_int8_gives_a_row_with_a_nan_nan_outputs_and_leaves_the_others():
@@ -193,6 +221,8 @@ rng = np.random.default_rng(4)
 for K, path in ((3100, sys.argv[1]), (3072, sys.argv[3])):  # a K tail; a K that AMX's tiles take
     x = rng.standard_normal((43, K), np.float32); q = rng.integers(-128, 128, (45, K), dtype=np.int8)
     np.save(path, np.asarray(kernels.rowdot_int8(x, q, np.full(45, 0.02, np.float32))))
+x = rng.standard_normal((5, 768), np.float32); q = rng.integers(-127, 128, (45, 768), dtype=np.int8)
+np.save(sys.argv[4], np.asarray(kernels.rowdot_int8(x, q, np.full(45, 0.02, np.float32), q.sum(1, dtype=np.int32))))
 """
 INT8_ISAS = ["avx2", "avx512", "avx512-vnni", "amx-int8"]  # each runs everything before it, when forced
 
@@ -202,21 +232,27 @@ def test_every_int8_instruction_set_gives_the_reference_bits(tmp_path, isa):
     """AMX's byte tiles, VNNI's vpdpwssd and (16 rows or more without AMX) vpdpbusd over byte planes,
     AVX-512's and AVX2's vpmaddwd (forced in fresh processes) sum the same integers: the bits of 43 rows
     (AMX's 16-row tiles or vnni_rows.h's groups of 8, and a part-filled one) against 45 weight rows (AMX's
-    32-column steps and a tail), at a K with a tail of 64 and one without."""
+    32-column steps and a tail), at a K with a tail of 64 and one without; and w8a8's 5 rows (a8.h's byte
+    tiles on VNNI, the int16 tiles on its 8-bit rows without)."""
     here = kernels.int8_isa()
     if here not in INT8_ISAS or INT8_ISAS.index(here) <= INT8_ISAS.index(isa):
         pytest.skip(f"needs a CPU with more than {isa} to force it (this one: {here})")
-    outs = tmp_path / "tail.npy", tmp_path / "even.npy"
+    outs = tmp_path / "tail.npy", tmp_path / "even.npy", tmp_path / "w8a8.npy"
     env = dict(os.environ, GPT2_JAX_ROWDOT_ISA=isa, JAX_PLATFORMS="cpu")
     subprocess.run(
-        [sys.executable, "-c", _INT8_SCRIPT, str(outs[0]), isa, str(outs[1])], check=True, env=env, timeout=300
-    )
+        [sys.executable, "-c", _INT8_SCRIPT, str(outs[0]), isa, str(outs[1]), str(outs[2])],
+        check=True, env=env, timeout=300,
+    )  # fmt: skip
     rng = np.random.default_rng(4)
     for K, out in zip((3100, 3072), outs):
         x, q = rng.standard_normal((43, K), np.float32), rng.integers(-128, 128, (45, K), dtype=np.int8)
         s = np.full(45, 0.02, np.float32)
         assert (bits(np.load(out)) == bits(int8_reference(x, q, s))).all(), (isa, K)
         assert (bits(np.load(out)) == bits(rowdot_int8(x, q, s))).all(), (isa, K)
+    x, q = rng.standard_normal((5, 768), np.float32), rng.integers(-127, 128, (45, 768), dtype=np.int8)
+    s, qsum = np.full(45, 0.02, np.float32), q.sum(1, dtype=np.int32)
+    assert (bits(np.load(outs[2])) == bits(int8_reference(x, q, s, 127))).all(), isa
+    assert (bits(np.load(outs[2])) == bits(rowdot_int8(x, q, s, qsum))).all(), isa
 
 
 def test_model_matmuls_go_through_rowdot():

@@ -1,5 +1,5 @@
-"""Precision modes: int8 weight-only quantisation (exact rounding bounds), bf16 and int8 logits vs
-transformers' float32, int8 through generate, a mesh and the CLI."""
+"""Precision modes: int8 weight-only quantisation (exact rounding bounds), bf16, int8 and w8a8 logits vs
+transformers' float32, int8 and w8a8 through generate, a mesh, load, save and the CLI."""
 
 import jax
 import jax.numpy as jnp
@@ -7,9 +7,11 @@ import numpy as np
 import pytest
 
 import gpt2_jax
+from gpt2_jax.checkpoints import native
 from gpt2_jax.cli import main
 from gpt2_jax.errors import ConfigError
 from gpt2_jax.generation.generator import generate
+from gpt2_jax.model import is_w8a8
 from gpt2_jax.model.precision import quantize, quantize_int8, with_precision
 from gpt2_jax.parallel.sharding import make_mesh, shard_params
 from tests.reference import hf_logits, make_hf_model, random_tokens, rel_err, saved_and_loaded
@@ -37,19 +39,27 @@ def test_reduced_precision_logits_stay_close_to_transformers(model):
     tokens = random_tokens(config.vocab_size, (2, 32), seed=8)
     ref = hf_logits(hf, tokens)
     errors = {mode: rel_err(gpt2_jax.forward(with_precision(params, mode), tokens, config), ref)
-              for mode in ("float32", "bfloat16", "int8")}  # fmt: skip
+              for mode in ("float32", "bfloat16", "int8", "w8a8")}  # fmt: skip
     assert errors["float32"] <= 1e-5
     assert 1e-4 < errors["bfloat16"] <= 2e-2  # reduced, measurably, but close
     assert errors["bfloat16"] < errors["int8"] <= 3e-2
+    assert errors["int8"] < errors["w8a8"] <= 5e-2  # the 8-bit inputs' rounding on top of the weights'
+    w8a8 = with_precision(params, "w8a8")
+    assert is_w8a8(w8a8) and not is_w8a8(quantize_int8(params))
+    c_fc = w8a8["h"][1]["mlp"]["c_fc"]  # int8's very weights, with each row's sum
+    assert (np.asarray(c_fc["weight"]) == np.asarray(quantize_int8(params)["h"][1]["mlp"]["c_fc"]["weight"])).all()
+    assert (np.asarray(c_fc["qsum"]) == np.asarray(c_fc["weight"], np.int64).sum(1)).all()
+    assert not is_w8a8(with_precision(w8a8, "int8")) and with_precision(w8a8, "float32")["wte"].dtype == jnp.float32
     q = quantize_int8(params)["h"][1]["mlp"]["c_fc"]
     assert q["weight"].dtype == jnp.int8 and q["scale"].shape == (config.mlp_dim,)
-    with pytest.raises(ConfigError, match="precision 'fp8' is not one of float32, bfloat16, int8"):
+    with pytest.raises(ConfigError, match="precision 'fp8' is not one of float32, bfloat16, int8, w8a8"):
         with_precision(params, "fp8")
 
 
-def test_int8_generates_alike_on_one_device_and_a_mesh(model):
+@pytest.mark.parametrize("mode", ["int8", "w8a8"])
+def test_int8_generates_alike_on_one_device_and_a_mesh(model, mode):
     _, params, config = model
-    q = quantize_int8(params)
+    q = with_precision(params, mode)
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
     one = generate(q, config, prompts, jax.random.key(1), max_new_tokens=10, temperature=0.0, eos_id=None)
     sharded = shard_params(q, config, make_mesh(2, 4))
@@ -62,8 +72,9 @@ def test_int8_generates_alike_on_one_device_and_a_mesh(model):
     assert (one.tokens[:, :3] == fp32.tokens[:, :3]).all()  # greedy: the first tokens match float32's
 
 
-def test_cli_int8(capsys):
-    assert main(["generate", "--prompt", "ROMEO:", "--max-new-tokens", "8", "--dtype", "int8", "--seed", "2"]) == 0
+@pytest.mark.parametrize("mode", ["int8", "w8a8"])
+def test_cli_int8(capsys, mode):
+    assert main(["generate", "--prompt", "ROMEO:", "--max-new-tokens", "8", "--dtype", mode, "--seed", "2"]) == 0
     out, err = capsys.readouterr()
     assert out.startswith("ROMEO:") and len(out) > len("ROMEO:\n") and "tokens/s" in err
 
@@ -94,3 +105,13 @@ def test_convert_stores_int8_and_load_keeps_or_dequantizes_it(model, tmp_path):
     assert not (tmp_path / "h").exists()
     with pytest.raises(ConfigError, match="int8"):
         gpt2_jax.cast_params(stored, jnp.float32)
+    # w8a8: the stored int8 weights with their row sums added on loading; saved, it is int8's checkpoint again
+    w8a8, _ = gpt2_jax.load(tmp_path / "q", dtype="w8a8")
+    assert is_w8a8(w8a8) and (bits(w8a8) == bits(with_precision(params, "w8a8"))).all()
+    assert (bits(w8a8) != bits(stored)).any()  # 8-bit inputs: other numbers than int8's
+    native.save(tmp_path / "again", w8a8, config)
+    again, _ = gpt2_jax.load(tmp_path / "again")
+    assert is_int8(again) and not is_w8a8(again) and (bits(again) == bits(stored)).all()
+    with pytest.raises(ConfigError, match="chosen when loading"):
+        gpt2_jax.convert(src, tmp_path / "w", dtype="w8a8")
+    assert not (tmp_path / "w").exists()

@@ -31,7 +31,8 @@ def resolve_dtype(dtype: Any) -> Any:
         return None
     name = jnp.dtype(dtype).name if not isinstance(dtype, str) else dtype
     if name not in ("float32", "bfloat16", "int8"):
-        raise ConfigError(f"dtype {dtype!r} is not supported; use float32, bfloat16 or int8")
+        also = "" if name != "w8a8" else " (w8a8 is int8's weights, chosen when loading: load(..., dtype='w8a8'))"
+        raise ConfigError(f"dtype {dtype!r} is not supported; use float32, bfloat16 or int8{also}")
     return jnp.dtype(name)
 
 
@@ -91,14 +92,20 @@ def load(
     """Any supported checkpoint -> (params, config), each layer's tensors their own buffers (the fast form
     for every path; see gpt2_jax.model.params). A gpt2-jax train --out directory loads its model/.
     dtype: keep the stored one (None), float32, bfloat16 or int8 (weight-only, gpt2_jax.model.precision:
-    quantized on loading, or kept where convert --dtype int8 stored it so). mesh (gpt2_jax.parallel.sharding.make_mesh): lay the params out on it, each device receiving only its shards.
+    quantized on loading, or kept where convert --dtype int8 stored it so), or w8a8 (int8's weights, so
+    loaded as int8, and the 8-bit activation rows its matmuls take: see gpt2_jax.model.precision). mesh (gpt2_jax.parallel.sharding.make_mesh): lay the params out on it, each device receiving only its shards.
     Tensors stream from the memory-mapped file into their final buffers (cast on the way), so the
     peak memory is about the weights once. progress: a tqdm bar (bytes) on stderr for loads over 2 s.
     stacked=True: block leaves stacked on L instead (the form checkpoints store; convert writes it)."""
     path = Path(path)
-    dtype = resolve_dtype(dtype)
+    w8a8 = isinstance(dtype, str) and dtype == "w8a8"
+    dtype = resolve_dtype("int8" if w8a8 else dtype)
     params, config = _load(path, dtype, config, mesh, progress, stacked)
-    return in_precision(params, config, dtype, mesh), config
+    params = in_precision(params, config, dtype, mesh)
+    if w8a8:  # int8's params with each weight row's sum
+        params = precision.quantize_w8a8(params)
+        params = shard_params(params, config, mesh) if mesh is not None else params
+    return params, config
 
 
 def _load(path: Path, dtype: Any, config: GPT2Config | None, mesh: Any, progress: bool, stacked: bool):

@@ -20,6 +20,7 @@ from gpt2_jax.checkpoints.host_buffers import host_buffer, prefetching
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import CheckpointError, GPT2JaxError
 from gpt2_jax.model.params import Params, _set, check_tree, dotted, stack_layers, unstack_layers
+from gpt2_jax.model.precision import drop_row_sums
 
 CONFIG_FILE = "gpt2_jax.json"
 PARAMS_DIR = "params"
@@ -39,7 +40,7 @@ def save(dst: str | Path, params: Params, config: GPT2Config, *, force: bool = F
     """Write params (per-layer or stacked; stored stacked) + config to dst atomically; an existing dst is
     replaced only with force=True."""
     dst = Path(dst).absolute()
-    params = stack_layers(params)
+    params = stack_layers(drop_row_sums(params))  # w8a8 is stored as int8's weights (its row sums come back on load)
     with atomic_dir(dst, force) as tmp:
         if jax.process_index() == 0:  # with several processes: one config file, every process's shards
             (tmp / CONFIG_FILE).write_text(config.to_json())

@@ -105,8 +105,8 @@ def load_model(args: argparse.Namespace, mesh):
         raise GPT2JaxError(f"no --model given and the bundled model {BUNDLED_MODEL} is missing")
     params, config = load(resolve_model(args.model) if args.model else BUNDLED_MODEL, dtype=args.dtype, mesh=mesh,
                           progress=True)  # fmt: skip
-    if args.dtype == "int8" and not precision.is_int8(params):  # load() quantizes; this is for safety
-        params = precision.quantize_int8(params)
+    if args.dtype in ("int8", "w8a8") and not precision.is_int8(params):  # load() quantizes; this is for safety
+        params = precision.with_precision(params, args.dtype)
         params = shard_params(params, config, mesh) if mesh else params  # the scales' layout too
     return params, config
 
@@ -121,7 +121,10 @@ def _draft_option(args: argparse.Namespace, mesh) -> dict:
     from gpt2_jax.checkpoints import resolve_model
 
     draft = load(
-        resolve_model(args.draft), dtype=None if args.dtype == "int8" else args.dtype, mesh=mesh, progress=True
+        resolve_model(args.draft),
+        dtype=None if args.dtype in ("int8", "w8a8") else args.dtype,
+        mesh=mesh,
+        progress=True,
     )
     return dict(draft=draft, num_speculative_tokens=args.speculate)
 

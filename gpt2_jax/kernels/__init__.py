@@ -16,7 +16,9 @@ compute each output by the same instructions whatever M is:
           AMX's int8 tiles for 16 rows or more where the CPU has them: a prefill, a large batch), one
           rounding at the end; bits independent of the batch and of the instruction set by construction.
           On VNNI without AMX, 16 rows or more (a prefill) run with lanes over x's rows instead of over
-          k, so no output ends in a sum of lanes (vnni_rows.h).
+          k, so no output ends in a sum of lanes (vnni_rows.h). Given each weight row's sum (qsum: its
+          w8a8), x's rows are rounded to 8 bits instead, and 3 to 8 rows on VNNI take byte tiles that
+          multiply at twice the rate (a8.h); other row counts, the same paths on the 8-bit rows.
   chain   one fused multiply-add chain in k order, lanes over outputs, no lane sums: fast for
           attention's short dot products (64 for the scores), where rowdot's lane sums cost as much as
           its multiply-adds.
@@ -36,7 +38,7 @@ batch shapes.
 
   ffi.py        the XLA FFI targets, rowdot / chain / softmax / cumsum / argmax and their custom VJPs
   invariance.py what else keeps a row's bits batch-independent on XLA's CPU backend (row padding)
-  cpu.cc        the Python module and FFI handlers; the arithmetic is rowdot.h, chain.h, softmax.h, int8.h, vnni_rows.h and amx.h
+  cpu.cc        the Python module and FFI handlers; the arithmetic is rowdot.h, chain.h, softmax.h, int8.h, a8.h, vnni_rows.h and amx.h
 
 GPT2_JAX_ROWDOT_ISA (read once per process) forces an older instruction set where the CPU has a newer one:
 avx2 (both kernels), avx512 (int8 without VNNI), avx512-vnni (int8 without AMX); either of the last two
@@ -53,6 +55,7 @@ from gpt2_jax.kernels.ffi import (
     cumsum,
     fits,
     int8_isa,
+    round_rows_8bit,
     rowdot,
     rowdot_int8,
     softmax,
@@ -72,6 +75,7 @@ __all__ = [
     "int8_isa",
     "min_rows",
     "pad_rows",
+    "round_rows_8bit",
     "rowdot",
     "rowdot_int8",
     "softmax",

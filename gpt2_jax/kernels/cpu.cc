@@ -135,21 +135,30 @@ ffi::Error RowDotImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 
 // rowdot with int8 weights: x [..., M, K] float32, w [..., N, K] int8 and scale [..., N] float32 (w's
 // leading dims all 1: one weight for every row) -> y [..., M, N], y[m, n] = x[m] . (w[n] * scale[n]) by
-// int8.h's exact integer sums. x's rows are rounded to int16 here, once, before the work is shared out.
-ffi::Error RowDotInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
-                          ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
+// int8.h's exact integer sums. x's rows are rounded here, once, before the work is shared out: to int16
+// (rowdot_int8), or to 8 bits with qsum [N] (w's row sums) given (rowdot_w8a8, a8.h).
+ffi::Error Quantized(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::S8>& w,
+                     ffi::Buffer<ffi::F32>& scale, const ffi::Buffer<ffi::S32>* qsum, float* y) {
+  const char* name = qsum == nullptr ? "rowdot_int8" : "rowdot_w8a8";
   auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() < 2 || wd.size() < 2 || xd[xd.size() - 1] != wd[wd.size() - 1])
-    return ffi::Error::InvalidArgument("rowdot_int8: x [..., M, K] and w [N, K] must share K");
+    return ffi::Error::InvalidArgument(std::string(name) + ": x [..., M, K] and w [N, K] must share K");
   int64_t K = xd[xd.size() - 1], N = wd[wd.size() - 2], M = Product(xd.begin(), xd.size() - 1);
-  if (Product(wd.begin(), wd.size() - 2) != 1 || static_cast<int64_t>(scale.element_count()) != N)
-    return ffi::Error::InvalidArgument("rowdot_int8: w must be [N, K] (one weight for every row) and scale [N]");
+  if (Product(wd.begin(), wd.size() - 2) != 1 || static_cast<int64_t>(scale.element_count()) != N ||
+      (qsum != nullptr && static_cast<int64_t>(qsum->element_count()) != N))
+    return ffi::Error::InvalidArgument(std::string(name) +
+                                       ": w must be [N, K] (one weight for every row), scale [N] and qsum [N]");
+  if (qsum != nullptr && K > a8::kMaxK)
+    return ffi::Error::InvalidArgument("rowdot_w8a8: K must be at most 65536 (its int32 sums' bound)");
   int64_t Kp = int8::Padded(K);
   std::vector<int16_t> xq(static_cast<size_t>(M * Kp));
   std::vector<float> x_scale(static_cast<size_t>(M));
-  for (int64_t m = 0; m < M; ++m) int8::QuantizeRow(x.typed_data() + m * K, K, Kp, xq.data() + m * Kp, &x_scale[m]);
-  Problem p{x.typed_data(), nullptr, y->typed_data(), M, N, K};
+  const int limit = qsum == nullptr ? int8::kTop16 : int8::kTop8;
+  for (int64_t m = 0; m < M; ++m)
+    int8::QuantizeRow(x.typed_data() + m * K, K, Kp, xq.data() + m * Kp, &x_scale[m], limit);
+  Problem p{x.typed_data(), nullptr, y, M, N, K};
   p.wq = w.typed_data(), p.w_scale = scale.typed_data(), p.xq = xq.data(), p.x_scale = x_scale.data(), p.Kp = Kp;
+  p.qsum = qsum == nullptr ? nullptr : qsum->typed_data();
   std::vector<int8_t> x_hi;
   std::vector<uint8_t> x_lo;
   if (int8::OnAmx(p)) {  // the rows split into bytes, packed as AMX's tiles read them (amx.h)
@@ -163,9 +172,25 @@ ffi::Error RowDotInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
     vnni_rows::Pack(xq.data(), M, K, Kp, x_rows.data());
     p.x_rows = x_rows.data();
   }
+  std::vector<uint8_t> x_a8;
+  if (int8::OnA8(p)) {  // 8-bit rows as bytes xq + 128 for a8.h's tiles
+    x_a8.resize(static_cast<size_t>(M * a8::Padded(K)));
+    a8::Pack(xq.data(), M, K, Kp, x_a8.data());
+    p.x_a8 = x_a8.data();
+  }
   p.cols = int8::DecodeColumns(p, pool.num_threads());
   Run(pool, p, 1, 0, 0, false);
   return ffi::Error::Success();
+}
+
+ffi::Error RowDotInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
+                          ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
+  return Quantized(pool, x, w, scale, nullptr, y->typed_data());
+}
+
+ffi::Error RowDotW8A8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
+                          ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> qsum, ffi::ResultBuffer<ffi::F32> y) {
+  return Quantized(pool, x, w, scale, &qsum, y->typed_data());
 }
 
 // Entry `index` of a stacked [L, ...] w (a layer of the KV cache), read where it lies: slicing it out
@@ -331,6 +356,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GPT2JaxRowDot, RowDotImpl, DotBinding().Ret<ffi::B
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GPT2JaxRowDotInt8, RowDotInt8Impl,
                               ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GPT2JaxRowDotW8A8, RowDotW8A8Impl,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::Buffer<ffi::F32>>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GPT2JaxRowDotAt, RowDotAtImpl, AtBinding().Ret<ffi::Buffer<ffi::F32>>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GPT2JaxRowDotEnds, EndsImpl<false>,
                               DotBinding().Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::Buffer<ffi::F32>>().Attr<int32_t>("mode"));
@@ -367,6 +395,7 @@ static PyObject* Usable(PyObject*, PyObject*) {
 static PyMethodDef kMethods[] = {
     {"handler", Capsule<GPT2JaxRowDot>, METH_NOARGS, "The XLA FFI handler, as a capsule for jax.ffi.register_ffi_target."},
     {"handler_int8", Capsule<GPT2JaxRowDotInt8>, METH_NOARGS, "rowdot over int8 weights with a float32 scale per output."},
+    {"handler_w8a8", Capsule<GPT2JaxRowDotW8A8>, METH_NOARGS, "handler_int8 with x's rows rounded to 8 bits (a8.h)."},
     {"handler_at", Capsule<GPT2JaxRowDotAt>, METH_NOARGS, "The handler of the variant reading one entry of a stacked w."},
     {"handler_ends", Capsule<GPT2JaxRowDotEnds>, METH_NOARGS, "The handler taking per-row ends (see rowdot::Ends)."},
     {"handler_at_ends", Capsule<GPT2JaxRowDotAtEnds>, METH_NOARGS, "handler_at taking per-row ends."},

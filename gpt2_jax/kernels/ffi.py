@@ -23,7 +23,8 @@ except ImportError:  # built without a compiler: XLA's matmul everywhere
 _DISABLED = os.environ.get("GPT2_JAX_KERNELS", "").strip().lower() in ("off", "0", "false", "no")
 _REGISTERED = False
 if _cpu is not None and _cpu.usable() and not _DISABLED:
-    for _suffix, _handler in (("", _cpu.handler), ("_int8", _cpu.handler_int8), ("_at", _cpu.handler_at), ("_ends", _cpu.handler_ends),
+    for _suffix, _handler in (("", _cpu.handler), ("_int8", _cpu.handler_int8), ("_w8a8", _cpu.handler_w8a8),
+                              ("_at", _cpu.handler_at), ("_ends", _cpu.handler_ends),
                               ("_at_ends", _cpu.handler_at_ends), ("_chain", _cpu.handler_chain),
                               ("_chain_at", _cpu.handler_chain_at), ("_chain_paged", _cpu.handler_chain_paged),
                               ("_cumsum", _cpu.handler_cumsum), ("_argmax", _cpu.handler_argmax),
@@ -148,24 +149,38 @@ def rowdot(
     return _product(False, x, w, out_ends, in_ends)
 
 
-def rowdot_int8(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
+def rowdot_int8(x: jax.Array, q: jax.Array, scale: jax.Array, qsum: jax.Array | None = None) -> jax.Array:
     """x [..., M, I] float32 @ (q [N, I] int8 * scale [N, 1]).T -> [..., M, N] float32, each output a function
     of its own row and weight row alone (int8.h): the row rounded to int16 with one scale per row, the dot
     product summed exactly in integers, then one rounding to float32 of total * row scale * scale[n]. So
     no batch, tiling, thread split or instruction set changes a bit, and a decode step reads one byte
-    per weight. Inference only (no gradient). Where the kernel does not run: XLA's matmul of x and q as
-    float32, then the scales (no int16 rounding of x: close to the kernel's values, not its bits)."""
+    per weight. Inference only (no gradient).
+
+    With qsum [N] int32 (q's row sums: gpt2_jax.model.precision's w8a8) the row is rounded to 8 bits
+    instead (|xq| <= 127), which a few rows' VNNI tiles multiply at twice the rate (a8.h); the rest is the
+    same, so the bits are again the row's own. Where the kernel does not run: XLA's matmul of x (so
+    rounded, for w8a8) and q as float32, then the scales: close to the kernel's values, not its bits."""
     out = jax.ShapeDtypeStruct((*x.shape[:-1], q.shape[-2]), F32)
+    operands = (x, q, scale) if qsum is None else (x, q, scale, qsum)
 
-    def kernel(x, q, scale):
-        return jax.ffi.ffi_call(TARGET + "_int8", out, vmap_method="expand_dims")(x, q, scale)
+    def kernel(*operands):
+        return jax.ffi.ffi_call(TARGET + ("_int8" if qsum is None else "_w8a8"), out, vmap_method="expand_dims")(
+            *operands
+        )
 
-    def other(x, q, scale):
-        return _einsum(x, q.astype(F32)) * scale
+    def other(x, q, scale, *qsum):
+        return _einsum(round_rows_8bit(x) if qsum else x, q.astype(F32)) * scale
 
     if not _REGISTERED:
-        return other(x, q, scale)
-    return jax.lax.platform_dependent(x, q, scale, cpu=kernel, default=other)
+        return other(*operands)
+    return jax.lax.platform_dependent(*operands, cpu=kernel, default=other)
+
+
+def round_rows_8bit(x: jax.Array) -> jax.Array:
+    """x [..., I] float32 -> each row rounded to 8 bits as rowdot_int8 with qsum rounds it (values, not bits):
+    round(x / s) * s with s = max |x| / 127 per row."""
+    s = jnp.max(jnp.abs(x), axis=-1, keepdims=True) / 127.0
+    return jnp.round(x / jnp.where(s > 0, s, 1.0)) * s
 
 
 def int8_isa() -> str | None:

@@ -28,6 +28,7 @@
 #include <limits>
 #include <string>
 
+#include "a8.h"
 #include "amx.h"
 #include "rowdot.h"  // Problem
 #include "vnni_rows.h"
@@ -44,10 +45,13 @@ constexpr int64_t kPad = 32;       // xq rows are zero-padded to a multiple of t
 
 inline int64_t Padded(int64_t K) { return (K + kPad - 1) / kPad * kPad; }
 
-// One row of x -> xq [Kp] (zeros past K) and its scale: max|x| / 32767; 0 for a zero row; NaN for a row
+constexpr int kTop16 = 32767;  // int16 rows (gpt2_jax.model.precision's int8)
+constexpr int kTop8 = 127;     // 8-bit rows (its w8a8: a8.h)
+
+// One row of x -> xq [Kp] (zeros past K) and its scale: max|x| / limit (|xq| <= limit); 0 for a zero row; NaN for a row
 // holding a NaN or an infinity (its outputs are then NaN, never a plausible number).
 __attribute__((target("avx2,fma"))) inline void QuantizeRow(const float* x, int64_t K, int64_t Kp, int16_t* xq,
-                                                            float* scale) {
+                                                            float* scale, int limit = kTop16) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   __m256 top = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
   int64_t k = 0;
@@ -67,7 +71,7 @@ __attribute__((target("avx2,fma"))) inline void QuantizeRow(const float* x, int6
     *scale = amax == 0.0f && !bad ? 0.0f : std::numeric_limits<float>::quiet_NaN();
     return;
   }
-  const double inv = 32767.0 / static_cast<double>(amax);
+  const double inv = static_cast<double>(limit) / static_cast<double>(amax);
   const __m256d vinv = _mm256_set1_pd(inv);
   for (k = 0; k + 8 <= K; k += 8) {  // x * inv in double, rounded to nearest (even), as std::nearbyint
     __m128i lo = _mm256_cvtpd_epi32(_mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(x + k)), vinv));
@@ -76,7 +80,7 @@ __attribute__((target("avx2,fma"))) inline void QuantizeRow(const float* x, int6
   }
   for (; k < K; ++k) xq[k] = static_cast<int16_t>(std::nearbyint(static_cast<double>(x[k]) * inv));
   std::fill(xq + K, xq + Kp, int16_t{0});
-  *scale = amax / 32767.0f;
+  *scale = amax / static_cast<float>(limit);
 }
 
 // ---------------------------------------------------------------------------------------------- tiles
@@ -305,6 +309,13 @@ inline bool OnRows(const Problem& p) {
   return Pick().vnni && p.M >= kAmxMinRows && !OnAmx(p) && vnni_rows::Fits(p.K);
 }
 
+// Whether a w8a8 problem (8-bit rows, p.qsum given) runs on a8.h's byte tiles (its x packed for them: see
+// cpu.cc): 3 to 8 rows on a CPU with AVX512-VNNI. Other row counts take the paths above on the same 8-bit
+// rows, with the same exact totals, so again the bits are the same either way.
+inline bool OnA8(const Problem& p) {
+  return p.qsum != nullptr && Pick().vnni && p.M >= a8::kMinRows && p.M <= a8::kMaxRows && a8::Fits(p.K);
+}
+
 // Weight rows per work item for a decode step's few rows (up to 8, int8.h's own tiles): 4 runs per thread,
 // each of whole 24-row groups (a multiple of every tile's nr) and at least kColBlock. A longer contiguous run of q
 // keeps the hardware prefetcher streaming where 72-row runs (55 KB at K = 768) kept restarting it: measured
@@ -334,6 +345,7 @@ inline void Item(const Problem& p, int64_t row_blocks, int64_t i) {
     n0 += steps * amx::kCols;
   }
   if (p.x_rows != nullptr) return vnni_rows::Block(p, m0, m1, n0, n1);
+  if (p.x_a8 != nullptr) return a8::Block(p, m0, m1, n0, n1);
   if (n0 < n1) Block(p, For(p.M), m0, m1, n0, n1);
 }
 

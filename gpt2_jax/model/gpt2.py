@@ -38,7 +38,7 @@ def unembed(params: Params, h: jax.Array, config: GPT2Config, tap=None) -> jax.A
     h = layer_norm(params["ln_f"], h, config.layer_norm_epsilon, within(tap, "ln_final"))
     wte = params["wte"]
     if is_int8(params):
-        return int8_matmul(h, wte, params["wte_scale"])
+        return int8_matmul(h, wte, params["wte_scale"], params.get("wte_qsum"))
     return matmul(h.astype(wte.dtype), wte)  # [B, T, D] x [V, D] -> [B, T, V]
 
 

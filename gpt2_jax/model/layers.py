@@ -100,15 +100,18 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     return jax.lax.optimization_barrier(y)[:M].reshape(*lead, *out)
 
 
-def int8_matmul(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
+def int8_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, qsum: jax.Array | None = None) -> jax.Array:
     """x [..., in] @ (q [out..., in] int8 * scale [out...]).T -> [..., out...] float32 (gpt2_jax.model.precision's
-    int8): on a CPU gpt2_jax.kernels.rowdot_int8, whose every output is one dot product over q as float32,
-    then times its scale, rounded the same way for any M; otherwise matmul's XLA form over q as float32,
-    then the scales."""
+    int8, or its w8a8 with qsum [out...], the weight rows' sums): on a CPU gpt2_jax.kernels.rowdot_int8,
+    whose every output is one exact integer dot product, then times its scales, rounded the same way for any
+    M; otherwise matmul's XLA form over q as float32 (x's rows rounded to 8 bits first for w8a8), then the
+    scales."""
     lead, out = x.shape[:-1], q.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).astype(F32)
     if kernels.fits(x2):
-        return kernels.rowdot_int8(x2, q.reshape(-1, q.shape[-1]), scale.reshape(-1)).reshape(*lead, *out)
+        flat = None if qsum is None else qsum.reshape(-1)
+        return kernels.rowdot_int8(x2, q.reshape(-1, q.shape[-1]), scale.reshape(-1), flat).reshape(*lead, *out)
+    x2 = x2 if qsum is None else kernels.round_rows_8bit(x2)
     return matmul(x2, q.astype(F32)).reshape(*lead, *out) * scale
 
 
@@ -116,8 +119,8 @@ def linear(p: dict, x: jax.Array) -> jax.Array:
     """x [..., in] @ W[out..., in].T (+ b) -> [..., out...] float32; an int8 W (gpt2_jax.model.precision)
     through int8_matmul with its per-output scale."""
     if "scale" in p:
-        scale = take(p["scale"])
-        y = apply_weight(p["weight"], lambda q: int8_matmul(x, q, scale))  # a per-layer buffer read in place
+        scale, qsum = take(p["scale"]), take(p["qsum"]) if "qsum" in p else None  # qsum: w8a8's
+        y = apply_weight(p["weight"], lambda q: int8_matmul(x, q, scale, qsum))  # a per-layer buffer read in place
     else:
         y = apply_weight(p["weight"], lambda w: matmul(x.astype(w.dtype), w))  # (see layer_loop.apply_weight)
     return y + take(p["bias"]).astype(F32) if "bias" in p else y

@@ -156,7 +156,10 @@ def check_tree(shapes: Any, config: GPT2Config, source: str) -> None:
     got = {dotted(p): tuple(a.shape) for p, a in jax.tree_util.tree_flatten_with_path(shapes)[0]}
     if "wte_scale" in got:  # int8 (gpt2_jax.model.precision): a float32 scale per output of each matmul weight
         want["wte_scale"] = want["wte"][:1]
-        want.update({n[: -len("weight")] + "scale": s[:-1] for n, s in list(want.items())
+        sums = ("scale", "qsum") if "wte_qsum" in got else ("scale",)  # w8a8: each weight row's sum too
+        if "wte_qsum" in got:
+            want["wte_qsum"] = want["wte"][:1]
+        want.update({n[: -len("weight")] + kind: s[:-1] for n, s in list(want.items()) for kind in sums
                      if n.endswith(".weight") and n.split(".")[-2] in ("c_attn", "c_proj", "c_fc")})  # fmt: skip
     missing, unexpected = sorted(set(want) - set(got)), sorted(set(got) - set(want))
     if missing or unexpected:
@@ -216,8 +219,14 @@ def cast_params(params: Params, dtype: Any) -> Params:
 
 
 def is_int8(params: Params) -> bool:
-    """Whether params are gpt2_jax.model.precision's int8 weight-only params (int8 wte with "wte_scale")."""
+    """Whether params are gpt2_jax.model.precision's int8 weight-only params (int8 wte with "wte_scale"),
+    w8a8's included (the same weights)."""
     return "wte_scale" in params
+
+
+def is_w8a8(params: Params) -> bool:
+    """Whether params are gpt2_jax.model.precision's w8a8 params (int8's with the weight rows' sums)."""
+    return "wte_qsum" in params
 
 
 def wte_rows(params: Params, ids: jax.Array) -> jax.Array:

@@ -14,6 +14,13 @@
             row's bits never depend on its batch, and a decode step reads 1 byte per weight (a quarter
             of float32's). The embedding is q[token] * scale[token]. Elsewhere (GPU, no kernels) XLA's
             matmul of x and q as float32, then the scales.
+  w8a8      int8's weights (the same q and scales), with each matmul's input row rounded to 8 bits by its
+            own scale instead of 16 (a step of 1/254 of its largest element): on a CPU with AVX512-VNNI a
+            decode step's few rows then multiply at twice the rate (gpt2_jax.kernels' a8.h), for more
+            logit error (bench/precision.py, bench/peers.py). The params hold each weight row's sum too
+            ("qsum" int32 [out] beside each "scale", "wte_qsum" [V]), which the kernel needs and which
+            marks the mode; they are computed here, from q, never stored: a saved w8a8 checkpoint is
+            int8's, and load(..., dtype="w8a8") adds them back.
 
 bench/precision.py measures each mode's logit error against float32 (the table is in README.md), and
 bench/peers.py int8 speed and error against other engines' int8. int8 params are for inference only:
@@ -26,9 +33,9 @@ import jax
 import jax.numpy as jnp
 
 from gpt2_jax.errors import ConfigError
-from gpt2_jax.model.params import Params, cast_params, is_int8
+from gpt2_jax.model.params import Params, cast_params, is_int8, is_w8a8
 
-MODES = ("float32", "bfloat16", "int8")
+MODES = ("float32", "bfloat16", "int8", "w8a8")
 _QUANTISED = ("c_attn", "c_proj", "c_fc")
 
 
@@ -63,8 +70,33 @@ def _quantize_int8(params: Params) -> Params:
 
 
 def quantize_int8(params: Params) -> Params:
-    """float params -> int8 weight-only params (see the module docstring); int8 params as they are."""
-    return params if is_int8(params) else _quantize_int8(params)
+    """float params -> int8 weight-only params (see the module docstring); int8 params as they are (w8a8's
+    without their row sums)."""
+    return drop_row_sums(params) if is_int8(params) else _quantize_int8(params)
+
+
+def row_sums(q: jax.Array) -> jax.Array:
+    """q int8 [..., out, in] -> each row's sum, int32 [..., out] (w8a8's qsum)."""
+    return jnp.sum(q, axis=-1, dtype=jnp.int32)
+
+
+@jax.jit
+def _add_row_sums(params: Params) -> Params:
+    params = _layers(params, lambda p: {**p, "qsum": row_sums(p["weight"])})
+    return {**params, "wte_qsum": row_sums(params["wte"])}
+
+
+def quantize_w8a8(params: Params) -> Params:
+    """float or int8 params -> w8a8 params (int8's, with each weight row's sum); w8a8 params as they are."""
+    return params if is_w8a8(params) else _add_row_sums(quantize_int8(params))
+
+
+def drop_row_sums(params: Params) -> Params:
+    """w8a8 params -> int8's (the same weights; what a checkpoint stores); other params as they are."""
+    if not is_w8a8(params):
+        return params
+    params = _layers(params, lambda p: {k: v for k, v in p.items() if k != "qsum"})
+    return {k: v for k, v in params.items() if k != "wte_qsum"}
 
 
 @jax.jit
@@ -81,13 +113,15 @@ def _dequantize(params: Params) -> Params:
 
 def dequantize(params: Params) -> Params:
     """int8 params -> float32 params holding the quantized values (q * scale); float params as they are."""
-    return _dequantize(params) if is_int8(params) else params
+    return _dequantize(drop_row_sums(params)) if is_int8(params) else params
 
 
 def with_precision(params: Params, mode: str) -> Params:
-    """params in one of MODES (see the module docstring), from float or int8 params."""
+    """params in one of MODES (see the module docstring), from float, int8 or w8a8 params."""
     if mode not in MODES:
         raise ConfigError(f"precision {mode!r} is not one of {', '.join(MODES)}")
     if mode == "int8":
         return quantize_int8(params)
+    if mode == "w8a8":
+        return quantize_w8a8(params)
     return cast_params(dequantize(params), jnp.dtype(mode))

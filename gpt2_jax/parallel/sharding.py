@@ -33,10 +33,11 @@ from gpt2_jax.model.axes import AXES, constrain, data_size, mesh_of, on_mesh, re
 from gpt2_jax.model.params import Params
 
 # (module, leaf) -> the axis of that leaf split over "model" (negative: counted from the end,
-# so stacked [L, ...] and per-layer leaves share the rule). int8 "scale" follows its output axis.
+# so stacked [L, ...] and per-layer leaves share the rule). int8 "scale" (and w8a8's "qsum") follows its
+# output axis.
 _MODEL_AXIS = {
-    ("c_attn", "weight"): -2, ("c_attn", "bias"): -1, ("c_attn", "scale"): -1,
-    ("c_fc", "weight"): -2, ("c_fc", "bias"): -1, ("c_fc", "scale"): -1,
+    ("c_attn", "weight"): -2, ("c_attn", "bias"): -1, ("c_attn", "scale"): -1, ("c_attn", "qsum"): -1,
+    ("c_fc", "weight"): -2, ("c_fc", "bias"): -1, ("c_fc", "scale"): -1, ("c_fc", "qsum"): -1,
     ("c_proj", "weight"): -1,
 }  # fmt: skip
 
@@ -89,7 +90,7 @@ def _names(path) -> tuple[str, ...]:
 
 def leaf_spec(names: tuple[str, ...], ndim: int, config: GPT2Config, model: int) -> P:
     """The PartitionSpec of one parameter, by its path in the pytree (see the module docstring)."""
-    if names in (("wte",), ("wte_scale",)):  # int8's wte_scale [V] follows wte's rows
+    if names in (("wte",), ("wte_scale",), ("wte_qsum",)):  # int8's wte_scale [V] (w8a8's wte_qsum) follows wte's rows
         split = model > 1 and config.vocab_size % model == 0
         return P("model", *[None] * (ndim - 1)) if split else P()
     axis = _MODEL_AXIS.get(names[-2:])

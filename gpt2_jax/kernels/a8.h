@@ -1,0 +1,170 @@
+// rowdot_int8 with x's rows rounded to 8 bits (gpt2_jax.model.precision's "w8a8"): a decode step's few rows on
+// AVX512-VNNI, in VNNI's byte instruction, vpdpbusd, which does twice the products of int8.h's vpdpwssd.
+//
+// Why: at 8 rows int8.h's int16 rows make a decode step compute-bound, not memory-bound: gpt2-small's 49
+// matmuls are 31 million vpdpwssd, and this 2-core AMD EPYC retires about 1.7 billion 512-bit VNNI
+// instructions a second per core (measured 2026-12-05 with 12 independent chains): 8.4 ms of a 13.1 ms step.
+// Bytes halve that count. The price is the rounding of x: a step of 1/254 of the row's largest element
+// instead of 1/65534 (bench/precision.py and bench/peers.py measure the logit error it adds).
+//
+// The arithmetic is int8.h's with |xq| <= 127 (int8::QuantizeRow with kTop8): the exact integer total of
+// xq . q, then int8.h's one rounding. vpdpbusd wants its first operand unsigned, so x goes in as xq + 128
+// and the total is (xq + 128) . q - 128 * qsum, with qsum = sum(q), the weight row's own sum (computed
+// once with the weights, gpt2_jax.model.precision). Every term is an exact integer in int32 for K <= 65536
+// (255 * 127 * K < 2^31). More rows than these tiles take run int8.h's own paths (int16 lanes, AMX, lanes
+// over rows) on the same small xq: the same exact totals, so the same bits for any number of rows.
+// (No XLA, no Python here: a plain C++ program can time it.)
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "rowdot.h"  // Problem
+
+namespace a8 {
+
+using rowdot::Problem;
+
+constexpr int64_t kMaxK = 65536;  // the int32 totals' bound (above)
+constexpr int64_t kMinRows = 3;   // fewer rows take int8.h's tiles (memory-bound there: as fast or faster)
+constexpr int64_t kMaxRows = 8;   // more rows take int8.h's paths
+constexpr int64_t kPad = 64;      // packed rows are padded to whole 64-byte steps with 128 (xq = 0)
+
+inline int64_t Padded(int64_t K) { return (K + kPad - 1) / kPad * kPad; }
+inline bool Fits(int64_t K) { return K > 0 && K <= kMaxK; }
+
+// xq [M, Kq] int16 rows in [-127, 127] -> [M, Padded(K)] bytes xq + 128 (128 past K).
+__attribute__((target("avx512f,avx512bw"))) inline void Pack(const int16_t* xq, int64_t M, int64_t K, int64_t Kq,
+                                                             uint8_t* out) {
+  const int64_t Kp = Padded(K);
+  const __m512i bias = _mm512_set1_epi16(128);
+  for (int64_t m = 0; m < M; ++m) {
+    const int16_t* row = xq + m * Kq;  // readable to Kq, a multiple of 32, zeros past K
+    uint8_t* to = out + m * Kp;
+    int64_t k = 0;
+    for (; k + 32 <= Kq && k + 32 <= Kp; k += 32)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + k),
+                          _mm512_cvtepi16_epi8(_mm512_add_epi16(_mm512_loadu_si512(row + k), bias)));
+    std::memset(to + k, 128, Kp - k);
+  }
+}
+
+// acc + x . w, kept in its register (see int8.h's DpwssdInPlace: through the intrinsic GCC 12 spilled the
+// accumulators of multi-row tiles).
+__attribute__((target("avx512f,avx512vnni"))) inline __m512i DpbusdInPlace(__m512i acc, __m512i x, __m512i w) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(x), "v"(w));
+  return acc;
+}
+
+// Eight accumulators' lane sums at once (integer sums: exact in any order), a transposing tree of shuffles and
+// adds in place of eight separate reductions, which at K = 768 had cost a third as much as the products.
+__attribute__((target("avx512f"))) inline void Sum16x8(const __m512i* a, int32_t* out) {
+  __m512i c[4], d[2];
+  for (int p = 0; p < 4; ++p)  // 256-bit halves added: a[2p]'s sums in the low half, a[2p + 1]'s in the high
+    c[p] = _mm512_add_epi32(_mm512_shuffle_i32x4(a[2 * p], a[2 * p + 1], 0x44),
+                            _mm512_shuffle_i32x4(a[2 * p], a[2 * p + 1], 0xEE));
+  for (int p = 0; p < 2; ++p)  // 128-bit quarter q: accumulator 4p + q's four partial sums
+    d[p] = _mm512_add_epi32(_mm512_shuffle_i32x4(c[2 * p], c[2 * p + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                            _mm512_shuffle_i32x4(c[2 * p], c[2 * p + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  // within each quarter: d[0]'s two pairs, then d[1]'s, then the pairs added
+  const __m512i e = _mm512_add_epi32(_mm512_unpacklo_epi64(d[0], d[1]), _mm512_unpackhi_epi64(d[0], d[1]));
+  const __m512i f = _mm512_add_epi32(e, _mm512_shuffle_epi32(e, _MM_PERM_CDAB));
+  alignas(64) int32_t sums[16];
+  _mm512_store_si512(sums, f);
+  for (int q = 0; q < 4; ++q) out[q] = sums[4 * q], out[q + 4] = sums[4 * q + 2];
+}
+
+template <int MR, int NR>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void Step(const uint8_t* const* x,
+                                                                        const int8_t* const* w, int64_t k,
+                                                                        int64_t at, __m512i (&acc)[MR][NR],
+                                                                        int64_t ahead) {
+  __m512i wv[NR];
+#pragma GCC unroll 12
+  for (int j = 0; j < NR; ++j) {
+    if (ahead) _mm_prefetch(reinterpret_cast<const char*>(w[j] + at + ahead), _MM_HINT_T1);
+    wv[j] = _mm512_loadu_si512(w[j] + at);
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+    const __m512i xv = _mm512_loadu_si512(x[i] + k);
+#pragma GCC unroll 12
+    for (int j = 0; j < NR; ++j) acc[i][j] = DpbusdInPlace(acc[i][j], xv, wv[j]);
+  }
+}
+
+// MR packed rows against NR weight rows over K -> out[i * NR + j] = (xq[i] + 128) . q[j], exact in int32.
+template <int MR, int NR>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void Tile(const uint8_t* const* x, const int8_t* const* w,
+                                                                 int64_t K, int32_t* out, int64_t ahead) {
+  __m512i acc[MR][NR];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 12
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_si512();
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) Step<MR, NR>(x, w, k, k, acc, ahead);
+  if (k < K) {  // the last K % 64 weights from zero-filled copies (x is 128 there: 128 x 0 adds nothing)
+    alignas(64) int8_t tail[NR][64];
+    const int8_t* ws[NR];
+    for (int j = 0; j < NR; ++j) {
+      for (int64_t l = 0; l < 64; ++l) tail[j][l] = k + l < K ? w[j][k + l] : 0;
+      ws[j] = tail[j];
+    }
+    Step<MR, NR>(x, ws, k, 0, acc, 0);
+  }
+  const __m512i* flat = &acc[0][0];
+  int t = 0;
+  for (; t + 8 <= MR * NR; t += 8) Sum16x8(flat + t, out + t);
+  for (; t < MR * NR; ++t) out[t] = _mm512_reduce_add_epi32(flat[t]);
+}
+
+using TileFn = void (*)(const uint8_t* const*, const int8_t* const*, int64_t, int32_t*, int64_t);
+
+struct Kernel {
+  int mr, nr;
+  TileFn tiles[9];
+  int ahead;  // tiles on that a tile prefetches the weight rows of
+};
+
+// 3 to 8 rows (On) in one 8 x 3 tile, so each weight vector loaded feeds every row, prefetching the weight
+// rows two tiles on (measured 2026-12-05 on a 2-core AMD EPYC, gpt2-small's 49 matmuls at 8 rows, taking turns
+// in one process: 5.15 ms against 7.41 with int8.h's int16 tiles; prefetching 1, 3, 4 or 8 tiles on 6.17, 5.20,
+// 5.24, 5.54 ms, none 10.1). One or two rows stay on int8.h's tiles: memory-bound, they were as fast or faster.
+inline const Kernel& Few() {
+  static const Kernel few{8, 3, {nullptr, nullptr, nullptr, Tile<3, 3>, Tile<4, 3>, Tile<5, 3>, Tile<6, 3>,
+                                 Tile<7, 3>, Tile<8, 3>}, 2};
+  return few;
+}
+
+// Rows [m0, m1) x columns [n0, n1) of y, from p.x_a8 (Pack's rows) and p.qsum. A short last tile repeats its
+// last column (computed the same way, then dropped). y is int8.h's one rounding of the exact total.
+inline void Block(const Problem& p, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+  const Kernel& kern = Few();
+  const int64_t ahead = kern.ahead * kern.nr * p.K, Kp = Padded(p.K);
+  int32_t out[24];
+  const uint8_t* xs[8];
+  const int8_t* ws[8];
+  for (int64_t n = n0; n < n1; n += kern.nr) {
+    const int64_t nn = std::min<int64_t>(kern.nr, n1 - n);
+    for (int j = 0; j < kern.nr; ++j) ws[j] = p.wq + (n + std::min<int64_t>(j, nn - 1)) * p.K;
+    for (int64_t m = m0; m < m1; m += kern.mr) {  // one tile: m1 - m0 <= kMaxRows
+      const int64_t mm = std::min<int64_t>(kern.mr, m1 - m);
+      for (int i = 0; i < mm; ++i) xs[i] = p.x_a8 + (m + i) * Kp;
+      kern.tiles[mm](xs, ws, p.K, out, ahead);
+      for (int i = 0; i < mm; ++i) {
+        const double sx = p.x_scale[m + i];
+        for (int j = 0; j < nn; ++j) {
+          const int64_t total = static_cast<int64_t>(out[i * kern.nr + j]) - 128 * static_cast<int64_t>(p.qsum[n + j]);
+          p.y[(m + i) * p.N + n + j] =
+              static_cast<float>(static_cast<double>(total) * sx * static_cast<double>(p.w_scale[n + j]));
+        }
+      }
+    }
+  }
+}
+
+}  // namespace a8
