@@ -183,9 +183,9 @@ def test_rowdot_int8_is_exact_integer_arithmetic_for_any_row_count(K, N, mode):
 @pytest.mark.skipif(kernels.int8_isa() not in ("avx512-vnni", "amx-int8"), reason="a8.h's byte tiles need AVX512-VNNI")
 def test_w8a8s_few_rows_take_the_byte_tiles_that_read_the_weight_row_sums():
     """3 to 8 rows of w8a8 run a8.h's vpdpbusd tiles, which take x + 128 and subtract 128 x each weight row's
-    sum: given sums off by one, exactly those rows' outputs move by 128 x row scale x scale (1, 2 and 16
-    rows take the int16 paths, which need no sums), so the tiles ran, and with the true sums they give the
-    reference bits."""
+    sum: given sums off by one, exactly those rows' outputs move by 128 x row scale x scale (1 and 2 rows take
+    the int16 tiles, 16 vnni_rows.h's one byte plane, which sums the weights itself), so the tiles ran, and
+    with the true sums they give the reference bits."""
     rng = np.random.default_rng(12)
     x = rng.standard_normal((16, 768), np.float32)
     q = rng.integers(-127, 128, (50, 768), dtype=np.int8)

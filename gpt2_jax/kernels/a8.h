@@ -11,8 +11,9 @@
 // xq . q, then int8.h's one rounding. vpdpbusd wants its first operand unsigned, so x goes in as xq + 128
 // and the total is (xq + 128) . q - 128 * qsum, with qsum = sum(q), the weight row's own sum (computed
 // once with the weights, gpt2_jax.model.precision). Every term is an exact integer in int32 for K <= 65536
-// (255 * 127 * K < 2^31). More rows than these tiles take run int8.h's own paths (int16 lanes, AMX, lanes
-// over rows) on the same small xq: the same exact totals, so the same bits for any number of rows.
+// (255 * 127 * K < 2^31). Other row counts run int8.h's own paths on the same small xq (1-2 rows its int16
+// tiles; 16 or more vnni_rows.h's lanes over rows, one byte plane of 16 rows; AMX's tiles; AVX2): the same
+// exact totals, so the same bits for any number of rows.
 // (No XLA, no Python here: a plain C++ program can time it.)
 #pragma once
 

@@ -167,9 +167,12 @@ ffi::Error Quantized(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffe
     p.x_hi = x_hi.data(), p.x_lo = x_lo.data();
   }
   std::vector<uint8_t> x_rows;
-  if (int8::OnRows(p)) {  // the rows split into bytes, packed in groups as vnni_rows.h's tiles read them
-    x_rows.resize(static_cast<size_t>(vnni_rows::PackedBytes(M, K)));
-    vnni_rows::Pack(xq.data(), M, K, Kp, x_rows.data());
+  if (int8::OnRows(p)) {  // the rows as bytes, packed in groups as vnni_rows.h's tiles read them
+    x_rows.resize(static_cast<size_t>(vnni_rows::PackedBytes(M, K, vnni_rows::Group(p))));
+    if (qsum != nullptr)
+      vnni_rows::Pack8(xq.data(), M, K, Kp, x_rows.data());  // w8a8: one plane of xq + 128
+    else
+      vnni_rows::Pack(xq.data(), M, K, Kp, x_rows.data());
     p.x_rows = x_rows.data();
   }
   std::vector<uint8_t> x_a8;

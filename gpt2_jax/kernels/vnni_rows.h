@@ -19,6 +19,11 @@
 //   against 64 weights at a time). Every term is an exact integer in int32 lanes for K <= 65536
 //   (|(hi + 128) . q| <= 65536 * 255 * 128 < 2^31), joined in int64: int8.h's total, then its one rounding.
 //
+// w8a8's 8-bit rows (|xq| <= 127, a8.h) need no low plane: xq + 128 is one byte, so a group holds 16 rows, one
+// per lane, and the total is lane[r] - 128 * sum(q); one instruction does twice the rows (measured 2026-12-05 on
+// the 2-core AMD EPYC, gpt2-small's 49 matmuls through the FFI, taking turns: 512 rows 291 against int16's 467
+// ms, 64 rows 37.6 against 57.9, 16 rows 8.8 against 14.2).
+//
 // The layout: a group of 8 rows is packed once per call into steps of 64 bytes, one step per 4 consecutive
 // k: lane r holds row r's 4 bytes of hi + 128, lane 8 + r its 4 bytes of lo. The weights stay as they lie
 // ([N, K], int8): 4 bytes of one column are broadcast to every lane (folded into vpdpbusd as a memory
@@ -40,13 +45,17 @@ using rowdot::Problem;
 
 constexpr int64_t kMaxK = 65536;  // the int32 sums' bound (above)
 constexpr int kNR = 12;           // columns per tile: 12 sums + 12 weight sums + x + 1s + a spare of 32 registers
-constexpr int kG = 8;             // x rows per group
+constexpr int kG = 8;             // x rows per group (int16 rows: two planes)
+constexpr int kG8 = 16;           // w8a8's 8-bit rows per group (one plane)
+
+// Rows per group: 16 for w8a8's 8-bit rows (the problem carries the weight rows' sums), else 8.
+inline int64_t Group(const Problem& p) { return p.qsum != nullptr ? kG8 : kG; }
 
 // Whether a problem with this K can take these tiles: whole steps of 4 k (a broadcast never reads past a
 // weight row, so never past the last) and the sums' bound.
 inline bool Fits(int64_t K) { return K > 0 && K <= kMaxK && K % 4 == 0; }
 inline int64_t GroupBytes(int64_t K) { return K / 4 * 64; }
-inline int64_t PackedBytes(int64_t M, int64_t K) { return (M + kG - 1) / kG * GroupBytes(K); }
+inline int64_t PackedBytes(int64_t M, int64_t K, int64_t G = kG) { return (M + G - 1) / G * GroupBytes(K); }
 
 // xq [M, Kp] (int16) -> [groups][K / 4][16 lanes][4] bytes as above. Rows past M are zero bytes in both
 // planes (their sums are dropped). Each row's planes are split with AVX-512, then moved 4 bytes at a time.
@@ -74,6 +83,27 @@ __attribute__((target("avx512f,avx512bw"))) inline void Pack(const int16_t* xq, 
   }
 }
 
+// w8a8's xq [M, Kp] (int16, |xq| <= 127) -> [groups of 16][K / 4][16 lanes][4] bytes of xq + 128. Rows past M
+// are 128s (xq = 0; their sums are dropped).
+__attribute__((target("avx512f,avx512bw"))) inline void Pack8(const int16_t* xq, int64_t M, int64_t K, int64_t Kp,
+                                                              uint8_t* out) {
+  if (M % kG8 != 0) {
+    const int64_t tail = M / kG8 * GroupBytes(K);
+    std::memset(out + tail, 128, PackedBytes(M, K, kG8) - tail);
+  }
+  alignas(64) uint8_t b[32];
+  const __m512i bias = _mm512_set1_epi16(128);
+  for (int64_t m = 0; m < M; ++m) {
+    const int16_t* row = xq + m * Kp;  // readable to Kp, a multiple of 32, zeros past K
+    uint8_t* group = out + m / kG8 * GroupBytes(K);
+    const int r = static_cast<int>(m % kG8);
+    for (int64_t k = 0; k < K; k += 32) {
+      _mm256_store_si256(reinterpret_cast<__m256i*>(b), _mm512_cvtepi16_epi8(_mm512_add_epi16(_mm512_loadu_si512(row + k), bias)));
+      for (int64_t c = 0; c < 32 && k + c < K; c += 4) std::memcpy(group + (k + c) / 4 * 64 + r * 4, b + c, 4);
+    }
+  }
+}
+
 // 4 bytes of a weight row, in every lane.
 __attribute__((target("avx512f"))) inline __m512i Broadcast(const int8_t* w) {
   int32_t v;
@@ -81,8 +111,9 @@ __attribute__((target("avx512f"))) inline __m512i Broadcast(const int8_t* w) {
   return _mm512_set1_epi32(v);
 }
 
-// One group (packed px) against kNR weight rows over K -> exact int64 totals[r][j]. `ahead`: bytes to
-// prefetch ahead in each weight row (0: none).
+// One group (packed px) against kNR weight rows over K -> exact int64 totals[r][j] (G rows: 8, two planes;
+// 16, w8a8's one plane). `ahead`: bytes to prefetch ahead in each weight row (0: none).
+template <int G>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void Tile(const uint8_t* px, const int8_t* const* w,
                                                                         int64_t K, int64_t* totals, int64_t ahead) {
   __m512i acc[kNR], wsum[kNR];
@@ -115,23 +146,28 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void Tile(const ui
     alignas(64) int32_t lane[16];
     _mm512_store_si512(lane, acc[j]);
     const int64_t sum_q = _mm512_reduce_add_epi32(wsum[j]);  // |sum_q| <= 128 K: no overflow
-    for (int r = 0; r < kG; ++r) totals[r * kNR + j] = 256 * (lane[r] - 128 * sum_q) + lane[kG + r];
+    if constexpr (G == kG8) {
+      for (int r = 0; r < kG8; ++r) totals[r * kNR + j] = lane[r] - 128 * sum_q;
+    } else {
+      for (int r = 0; r < kG; ++r) totals[r * kNR + j] = 256 * (lane[r] - 128 * sum_q) + lane[kG + r];
+    }
   }
 }
 
-// Rows [m0, m1) (m0 a multiple of 8) x columns [n0, n1) of y: int8.h's Block with these tiles. A short last
-// tile repeats its last column (computed the same way, then dropped); the first group of each column tile
+// Rows [m0, m1) (m0 a multiple of the group) x columns [n0, n1) of y: int8.h's Block with these tiles. A short
+// last tile repeats its last column (computed the same way, then dropped); the first group of each column tile
 // prefetches the weight rows two tiles on.
 inline void Block(const Problem& p, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
-  const int64_t ahead = 2 * kNR * p.K;
-  int64_t totals[8 * kNR];
+  const int64_t ahead = 2 * kNR * p.K, G = Group(p);
+  int64_t totals[kG8 * kNR];
   const int8_t* ws[kNR];
   for (int64_t n = n0; n < n1; n += kNR) {
     const int64_t nn = std::min<int64_t>(kNR, n1 - n);
     for (int j = 0; j < kNR; ++j) ws[j] = p.wq + (n + std::min<int64_t>(j, nn - 1)) * p.K;
-    for (int64_t g = m0; g < m1; g += kG) {
-      Tile(p.x_rows + g / kG * GroupBytes(p.K), ws, p.K, totals, g == m0 ? ahead : 0);
-      for (int64_t i = 0; i < std::min<int64_t>(kG, m1 - g); ++i) {
+    for (int64_t g = m0; g < m1; g += G) {
+      const uint8_t* px = p.x_rows + g / G * GroupBytes(p.K);
+      (G == kG8 ? Tile<kG8> : Tile<kG>)(px, ws, p.K, totals, g == m0 ? ahead : 0);
+      for (int64_t i = 0; i < std::min<int64_t>(G, m1 - g); ++i) {
         const double sx = p.x_scale[g + i];
         for (int64_t j = 0; j < nn; ++j)
           p.y[(g + i) * p.N + n + j] =
