@@ -142,35 +142,56 @@ def test_the_one_row_tiles_on_amd_round_like_avx512s(tmp_path):
     assert (bits(rowdot_int8(x[:1], q, s)) == bits(int8_reference(x[:1], q, s))).all()
 
 
-def int8_reference(x: np.ndarray, q: np.ndarray, s: np.ndarray, limit: int = 32767) -> np.ndarray:
-    """rowdot_int8's arithmetic written out in numpy (int8.h): each row of x rounded to int16 (limit 32767; w8a8's
-    8 bits: 127) by its largest |x| (in float64), the dot products exact in int64, then total * row scale * scale
-    in float64, rounded once."""
+def int8_reference(x: np.ndarray, q: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """rowdot_int8's arithmetic written out in numpy (int8.h): each row of x rounded to int16 by its largest
+    |x| (in float64), the dot products exact in int64, then total * row scale * scale in float64, rounded once."""
     amax = np.abs(x).max(axis=1)
-    xq = np.rint(x.astype(np.float64) * (limit / np.where(amax > 0, amax, 1.0).astype(np.float64))[:, None])
+    xq = np.rint(x.astype(np.float64) * (32767.0 / np.where(amax > 0, amax, 1.0).astype(np.float64))[:, None])
+    row_scale = (amax / np.float32(32767.0)).astype(np.float32)
+    return _rounded(xq, row_scale, q, s)
+
+
+def _rounded(xq: np.ndarray, row_scale: np.ndarray, q: np.ndarray, s: np.ndarray) -> np.ndarray:
     total = xq.astype(np.int64) @ q.T.astype(np.int64)
-    row_scale = (amax / np.float32(limit)).astype(np.float32).astype(np.float64)
-    return (total.astype(np.float64) * row_scale[:, None] * s.astype(np.float64)).astype(np.float32)
+    return (total.astype(np.float64) * row_scale.astype(np.float64)[:, None] * s.astype(np.float64)).astype(np.float32)
+
+
+def w8a8_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """int8.h's QuantizeRow8 in numpy: each row over its range with 0 in it, in float64, -> (xq, scale float32,
+    zero point): 255 steps, z = rint(-lo / s), xq = clip(rint(x / s) + z, 0, 255) - z."""
+    lo = np.minimum(x.min(axis=1), 0).astype(np.float64)
+    rng = np.maximum(x.max(axis=1), 0).astype(np.float64) - lo
+    inv = 255.0 / np.where(rng > 0, rng, 1.0)
+    z = np.rint(-lo * inv)
+    xq = np.clip(np.rint(x.astype(np.float64) * inv[:, None]) + z[:, None], 0, 255) - z[:, None]
+    return xq, (rng / 255.0).astype(np.float32), z
+
+
+def w8a8_reference(x: np.ndarray, q: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """rowdot_int8 given qsum (w8a8) in numpy: w8a8_rows, the dot products exact in int64, one rounding."""
+    xq, row_scale, _ = w8a8_rows(x)
+    return _rounded(xq, row_scale, q, s)
 
 
 @pytest.mark.parametrize("mode", ["int8", "w8a8"])
 @pytest.mark.parametrize("K,N", SHAPES)
 def test_rowdot_int8_is_exact_integer_arithmetic_for_any_row_count(K, N, mode):
     """The int8 kernel's bits are a numpy int64 matmul's (over x rounded to int16 per row; w8a8, given the
-    weight rows' sums: to 8 bits), rounded once, for every slice of rows and under vmap; its value is within
-    that rounding of a float64 matmul's."""
+    weight rows' sums: to bytes with a zero point), rounded once, for every slice of rows and under vmap; its
+    value is within that rounding of a float64 matmul's."""
     rng = np.random.default_rng(K + N)
     x = rng.standard_normal((150, K), np.float32) * rng.uniform(0.1, 30, (150, 1)).astype(np.float32)
     x[7] = 0.0  # a zero row (padding): exactly zero out
     q = rng.integers(-127, 128, (N, K), dtype=np.int8)
     s = rng.uniform(1e-3, 1e-1, N).astype(np.float32)
-    limit, qsum = (32767, None) if mode == "int8" else (127, q.sum(1, dtype=np.int32))
+    qsum, reference = (None, int8_reference) if mode == "int8" else (q.sum(1, dtype=np.int32), w8a8_reference)
     f = jax.jit(functools.partial(rowdot_int8, qsum=qsum))
     full = np.asarray(f(x, q, s))
-    assert (bits(full) == bits(int8_reference(x, q, s, limit))).all()
+    assert (bits(full) == bits(reference(x, q, s))).all()
     assert not full[7].any()
     exact = (x.astype(np.float64) @ q.T.astype(np.float64)) * s
-    bound = np.abs(x).max(1, keepdims=True).astype(np.float64) / (2 * limit) * (np.abs(q).sum(1) * s)[None]
+    step = np.abs(x).max(1) / 32767 if mode == "int8" else (np.maximum(x.max(1), 0) - np.minimum(x.min(1), 0)) / 255
+    bound = step[:, None].astype(np.float64) / 2 * (np.abs(q).sum(1) * s)[None]
     assert np.all(np.abs(full - exact) <= bound * (1 + 1e-6) + 1e-6 * np.abs(exact))
     for M in (1, 2, 3, 8, 9, 15, 16, 65):  # int8.h's tiles (w8a8: a8.h's from 3 to 8); from 16, AMX's or vnni_rows.h's
         for start in (0, 5):
@@ -182,23 +203,27 @@ def test_rowdot_int8_is_exact_integer_arithmetic_for_any_row_count(K, N, mode):
 
 @pytest.mark.skipif(kernels.int8_isa() not in ("avx512-vnni", "amx-int8"), reason="a8.h's byte tiles need AVX512-VNNI")
 def test_w8a8s_few_rows_take_the_byte_tiles_that_read_the_weight_row_sums():
-    """3 to 8 rows of w8a8 run a8.h's vpdpbusd tiles, which take x + 128 and subtract 128 x each weight row's
-    sum: given sums off by one, exactly those rows' outputs move by 128 x row scale x scale (1 and 2 rows take
-    the int16 tiles, 16 vnni_rows.h's one byte plane, which sums the weights itself), so the tiles ran, and
-    with the true sums they give the reference bits."""
+    """3 to 8 rows of w8a8 run a8.h's vpdpbusd tiles, which take the bytes xq + z (z: the row's zero point) and
+    subtract z x each weight row's sum: given sums off by one, exactly those rows' outputs move by z x row
+    scale x scale (1 and 2 rows take the int16 tiles, 16 vnni_rows.h's one byte plane, which sums the weights
+    itself), so the tiles ran, and with the true sums they give the reference bits. Skewed rows (a GELU's
+    output: min -0.17) get nonzero zero points."""
     rng = np.random.default_rng(12)
     x = rng.standard_normal((16, 768), np.float32)
+    x = np.where(np.arange(16)[:, None] % 2 == 0, x, np.maximum(x, -0.17))  # every other row skewed
     q = rng.integers(-127, 128, (50, 768), dtype=np.int8)
     s = np.full(50, 0.01, np.float32)
     qsum = q.sum(1, dtype=np.int32)
     for M in (1, 2, 5, 8, 16):
         good = np.asarray(rowdot_int8(x[:M], q, s, qsum))
-        assert (bits(good) == bits(int8_reference(x[:M], q, s, 127))).all(), M
+        assert (bits(good) == bits(w8a8_reference(x[:M], q, s))).all(), M
         off = np.asarray(rowdot_int8(x[:M], q, s, qsum + 1))
-        row_scale = (np.abs(x[:M]).max(1) / np.float32(127)).astype(np.float32)
-        moved = -128 * row_scale[:, None].astype(np.float64) * s.astype(np.float64)
+        _, row_scale, z = w8a8_rows(x[:M])
+        assert (z[1::2] < 30).all() and (z[0::2] > 90).all()  # a skewed row's zero point sits low in its byte
+        moved = -z[:, None] * row_scale[:, None].astype(np.float64) * s.astype(np.float64)
         if 3 <= M <= 8:
-            np.testing.assert_allclose(off - good, moved, rtol=1e-3, atol=1e-6)
+            ulp = np.spacing(np.float32(np.abs(good).max() + np.abs(moved).max()))  # each output rounded once
+            np.testing.assert_allclose(off - good, moved, rtol=0, atol=2 * ulp)
         else:
             assert (bits(off) == bits(good)).all(), M
 
@@ -251,7 +276,7 @@ def test_every_int8_instruction_set_gives_the_reference_bits(tmp_path, isa):
         assert (bits(np.load(out)) == bits(rowdot_int8(x, q, s))).all(), (isa, K)
     x, q = rng.standard_normal((5, 768), np.float32), rng.integers(-127, 128, (45, 768), dtype=np.int8)
     s, qsum = np.full(45, 0.02, np.float32), q.sum(1, dtype=np.int32)
-    assert (bits(np.load(outs[2])) == bits(int8_reference(x, q, s, 127))).all(), isa
+    assert (bits(np.load(outs[2])) == bits(w8a8_reference(x, q, s))).all(), isa
     assert (bits(np.load(outs[2])) == bits(rowdot_int8(x, q, s, qsum))).all(), isa
 
 

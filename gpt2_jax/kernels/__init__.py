@@ -17,8 +17,9 @@ compute each output by the same instructions whatever M is:
           rounding at the end; bits independent of the batch and of the instruction set by construction.
           On VNNI without AMX, 16 rows or more (a prefill) run with lanes over x's rows instead of over
           k, so no output ends in a sum of lanes (vnni_rows.h). Given each weight row's sum (qsum: its
-          w8a8), x's rows are rounded to 8 bits instead, and 3 to 8 rows on VNNI take byte tiles that
-          multiply at twice the rate (a8.h); other row counts, the same paths on the 8-bit rows.
+          w8a8), x's rows are rounded to bytes with a zero point instead, and VNNI multiplies them at
+          twice the rate (a8.h's tiles for 3 to 8 rows, one byte plane in vnni_rows.h from 16); other
+          paths take the same rows as int16.
   chain   one fused multiply-add chain in k order, lanes over outputs, no lane sums: fast for
           attention's short dot products (64 for the scores), where rowdot's lane sums cost as much as
           its multiply-adds.

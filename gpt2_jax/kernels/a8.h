@@ -4,14 +4,14 @@
 // Why: at 8 rows int8.h's int16 rows make a decode step compute-bound, not memory-bound: gpt2-small's 49
 // matmuls are 31 million vpdpwssd, and this 2-core AMD EPYC retires about 1.7 billion 512-bit VNNI
 // instructions a second per core (measured 2026-12-05 with 12 independent chains): 8.4 ms of a 13.1 ms step.
-// Bytes halve that count. The price is the rounding of x: a step of 1/254 of the row's largest element
-// instead of 1/65534 (bench/precision.py and bench/peers.py measure the logit error it adds).
+// Bytes halve that count. The price is the rounding of x: a step of 1/255 of the row's range instead of
+// 1/65534 of its largest element (bench/precision.py and bench/peers.py measure the logit error it adds).
 //
-// The arithmetic is int8.h's with |xq| <= 127 (int8::QuantizeRow with kTop8): the exact integer total of
-// xq . q, then int8.h's one rounding. vpdpbusd wants its first operand unsigned, so x goes in as xq + 128
-// and the total is (xq + 128) . q - 128 * qsum, with qsum = sum(q), the weight row's own sum (computed
-// once with the weights, gpt2_jax.model.precision). Every term is an exact integer in int32 for K <= 65536
-// (255 * 127 * K < 2^31). Other row counts run int8.h's own paths on the same small xq (1-2 rows its int16
+// The arithmetic is int8.h's on int8::QuantizeRow8's rows (xq, with a zero point z per row that makes
+// xq + z a byte): the exact integer total of xq . q, then int8.h's one rounding. vpdpbusd wants its first
+// operand unsigned, which xq + z is, so the total is (xq + z) . q - z * qsum, with qsum = sum(q), the weight
+// row's own sum (computed once with the weights, gpt2_jax.model.precision). Every term is an exact integer
+// in int32 for K <= 65536 (255 * 127 * K < 2^31). Other row counts run int8.h's own paths on the same small xq (1-2 rows its int16
 // tiles; 16 or more vnni_rows.h's lanes over rows, one byte plane of 16 rows; AMX's tiles; AVX2): the same
 // exact totals, so the same bits for any number of rows.
 // (No XLA, no Python here: a plain C++ program can time it.)
@@ -32,24 +32,24 @@ using rowdot::Problem;
 constexpr int64_t kMaxK = 65536;  // the int32 totals' bound (above)
 constexpr int64_t kMinRows = 3;   // fewer rows take int8.h's tiles (memory-bound there: as fast or faster)
 constexpr int64_t kMaxRows = 8;   // more rows take int8.h's paths
-constexpr int64_t kPad = 64;      // packed rows are padded to whole 64-byte steps with 128 (xq = 0)
+constexpr int64_t kPad = 64;      // packed rows are padded to whole 64-byte steps (against zero weights)
 
 inline int64_t Padded(int64_t K) { return (K + kPad - 1) / kPad * kPad; }
 inline bool Fits(int64_t K) { return K > 0 && K <= kMaxK; }
 
-// xq [M, Kq] int16 rows in [-127, 127] -> [M, Padded(K)] bytes xq + 128 (128 past K).
-__attribute__((target("avx512f,avx512bw"))) inline void Pack(const int16_t* xq, int64_t M, int64_t K, int64_t Kq,
-                                                             uint8_t* out) {
+// xq [M, Kq] int16 rows and their zero points -> [M, Padded(K)] bytes xq + zero (zero past K).
+__attribute__((target("avx512f,avx512bw"))) inline void Pack(const int16_t* xq, const int32_t* zero, int64_t M,
+                                                             int64_t K, int64_t Kq, uint8_t* out) {
   const int64_t Kp = Padded(K);
-  const __m512i bias = _mm512_set1_epi16(128);
   for (int64_t m = 0; m < M; ++m) {
+    const __m512i bias = _mm512_set1_epi16(static_cast<int16_t>(zero[m]));
     const int16_t* row = xq + m * Kq;  // readable to Kq, a multiple of 32, zeros past K
     uint8_t* to = out + m * Kp;
     int64_t k = 0;
     for (; k + 32 <= Kq && k + 32 <= Kp; k += 32)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + k),
                           _mm512_cvtepi16_epi8(_mm512_add_epi16(_mm512_loadu_si512(row + k), bias)));
-    std::memset(to + k, 128, Kp - k);
+    std::memset(to + k, zero[m], Kp - k);
   }
 }
 
@@ -97,7 +97,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void Step(const ui
   }
 }
 
-// MR packed rows against NR weight rows over K -> out[i * NR + j] = (xq[i] + 128) . q[j], exact in int32.
+// MR packed rows against NR weight rows over K -> out[i * NR + j] = (xq[i] + z[i]) . q[j], exact in int32.
 template <int MR, int NR>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void Tile(const uint8_t* const* x, const int8_t* const* w,
                                                                  int64_t K, int32_t* out, int64_t ahead) {
@@ -108,7 +108,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void Tile(const uint8_t* 
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_si512();
   int64_t k = 0;
   for (; k + 64 <= K; k += 64) Step<MR, NR>(x, w, k, k, acc, ahead);
-  if (k < K) {  // the last K % 64 weights from zero-filled copies (x is 128 there: 128 x 0 adds nothing)
+  if (k < K) {  // the last K % 64 weights from zero-filled copies (x's padding times 0 adds nothing)
     alignas(64) int8_t tail[NR][64];
     const int8_t* ws[NR];
     for (int j = 0; j < NR; ++j) {
@@ -141,7 +141,7 @@ inline const Kernel& Few() {
   return few;
 }
 
-// Rows [m0, m1) x columns [n0, n1) of y, from p.x_a8 (Pack's rows) and p.qsum. A short last tile repeats its
+// Rows [m0, m1) x columns [n0, n1) of y, from p.x_a8 (Pack's rows), p.x_zero and p.qsum. A short last tile repeats its
 // last column (computed the same way, then dropped). y is int8.h's one rounding of the exact total.
 inline void Block(const Problem& p, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
   const Kernel& kern = Few();
@@ -159,7 +159,8 @@ inline void Block(const Problem& p, int64_t m0, int64_t m1, int64_t n0, int64_t 
       for (int i = 0; i < mm; ++i) {
         const double sx = p.x_scale[m + i];
         for (int j = 0; j < nn; ++j) {
-          const int64_t total = static_cast<int64_t>(out[i * kern.nr + j]) - 128 * static_cast<int64_t>(p.qsum[n + j]);
+          const int64_t total = static_cast<int64_t>(out[i * kern.nr + j]) -
+                                static_cast<int64_t>(p.x_zero[m + i]) * static_cast<int64_t>(p.qsum[n + j]);
           p.y[(m + i) * p.N + n + j] =
               static_cast<float>(static_cast<double>(total) * sx * static_cast<double>(p.w_scale[n + j]));
         }

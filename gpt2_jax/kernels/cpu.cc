@@ -136,7 +136,7 @@ ffi::Error RowDotImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 // rowdot with int8 weights: x [..., M, K] float32, w [..., N, K] int8 and scale [..., N] float32 (w's
 // leading dims all 1: one weight for every row) -> y [..., M, N], y[m, n] = x[m] . (w[n] * scale[n]) by
 // int8.h's exact integer sums. x's rows are rounded here, once, before the work is shared out: to int16
-// (rowdot_int8), or to 8 bits with qsum [N] (w's row sums) given (rowdot_w8a8, a8.h).
+// (rowdot_int8), or to bytes with a zero point with qsum [N] (w's row sums) given (rowdot_w8a8, a8.h).
 ffi::Error Quantized(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::S8>& w,
                      ffi::Buffer<ffi::F32>& scale, const ffi::Buffer<ffi::S32>* qsum, float* y) {
   const char* name = qsum == nullptr ? "rowdot_int8" : "rowdot_w8a8";
@@ -153,12 +153,15 @@ ffi::Error Quantized(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffe
   int64_t Kp = int8::Padded(K);
   std::vector<int16_t> xq(static_cast<size_t>(M * Kp));
   std::vector<float> x_scale(static_cast<size_t>(M));
-  const int limit = qsum == nullptr ? int8::kTop16 : int8::kTop8;
+  std::vector<int32_t> x_zero(qsum == nullptr ? 0 : static_cast<size_t>(M));
   for (int64_t m = 0; m < M; ++m)
-    int8::QuantizeRow(x.typed_data() + m * K, K, Kp, xq.data() + m * Kp, &x_scale[m], limit);
+    if (qsum == nullptr)
+      int8::QuantizeRow(x.typed_data() + m * K, K, Kp, xq.data() + m * Kp, &x_scale[m]);
+    else
+      int8::QuantizeRow8(x.typed_data() + m * K, K, Kp, xq.data() + m * Kp, &x_scale[m], &x_zero[m]);
   Problem p{x.typed_data(), nullptr, y, M, N, K};
   p.wq = w.typed_data(), p.w_scale = scale.typed_data(), p.xq = xq.data(), p.x_scale = x_scale.data(), p.Kp = Kp;
-  p.qsum = qsum == nullptr ? nullptr : qsum->typed_data();
+  if (qsum != nullptr) p.qsum = qsum->typed_data(), p.x_zero = x_zero.data();
   std::vector<int8_t> x_hi;
   std::vector<uint8_t> x_lo;
   if (int8::OnAmx(p)) {  // the rows split into bytes, packed as AMX's tiles read them (amx.h)
@@ -170,15 +173,15 @@ ffi::Error Quantized(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffe
   if (int8::OnRows(p)) {  // the rows as bytes, packed in groups as vnni_rows.h's tiles read them
     x_rows.resize(static_cast<size_t>(vnni_rows::PackedBytes(M, K, vnni_rows::Group(p))));
     if (qsum != nullptr)
-      vnni_rows::Pack8(xq.data(), M, K, Kp, x_rows.data());  // w8a8: one plane of xq + 128
+      vnni_rows::Pack8(xq.data(), x_zero.data(), M, K, Kp, x_rows.data());  // w8a8: one plane of xq + zero
     else
       vnni_rows::Pack(xq.data(), M, K, Kp, x_rows.data());
     p.x_rows = x_rows.data();
   }
   std::vector<uint8_t> x_a8;
-  if (int8::OnA8(p)) {  // 8-bit rows as bytes xq + 128 for a8.h's tiles
+  if (int8::OnA8(p)) {  // 8-bit rows as bytes xq + zero for a8.h's tiles
     x_a8.resize(static_cast<size_t>(M * a8::Padded(K)));
-    a8::Pack(xq.data(), M, K, Kp, x_a8.data());
+    a8::Pack(xq.data(), x_zero.data(), M, K, Kp, x_a8.data());
     p.x_a8 = x_a8.data();
   }
   p.cols = int8::DecodeColumns(p, pool.num_threads());

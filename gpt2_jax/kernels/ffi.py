@@ -156,9 +156,9 @@ def rowdot_int8(x: jax.Array, q: jax.Array, scale: jax.Array, qsum: jax.Array | 
     no batch, tiling, thread split or instruction set changes a bit, and a decode step reads one byte
     per weight. Inference only (no gradient).
 
-    With qsum [N] int32 (q's row sums: gpt2_jax.model.precision's w8a8) the row is rounded to 8 bits
-    instead (|xq| <= 127), which a few rows' VNNI tiles multiply at twice the rate (a8.h); the rest is the
-    same, so the bits are again the row's own. Where the kernel does not run: XLA's matmul of x (so
+    With qsum [N] int32 (q's row sums: gpt2_jax.model.precision's w8a8) the row is rounded to bytes
+    instead, 255 steps over its range with a zero point (int8.h's QuantizeRow8), which VNNI multiplies at
+    twice the rate (a8.h, vnni_rows.h); the rest is the same, so the bits are again the row's own. Where the kernel does not run: XLA's matmul of x (so
     rounded, for w8a8) and q as float32, then the scales: close to the kernel's values, not its bits."""
     out = jax.ShapeDtypeStruct((*x.shape[:-1], q.shape[-2]), F32)
     operands = (x, q, scale) if qsum is None else (x, q, scale, qsum)
@@ -177,10 +177,14 @@ def rowdot_int8(x: jax.Array, q: jax.Array, scale: jax.Array, qsum: jax.Array | 
 
 
 def round_rows_8bit(x: jax.Array) -> jax.Array:
-    """x [..., I] float32 -> each row rounded to 8 bits as rowdot_int8 with qsum rounds it (values, not bits):
-    round(x / s) * s with s = max |x| / 127 per row."""
-    s = jnp.max(jnp.abs(x), axis=-1, keepdims=True) / 127.0
-    return jnp.round(x / jnp.where(s > 0, s, 1.0)) * s
+    """x [..., I] float32 -> each row rounded to bytes as rowdot_int8 with qsum rounds it (values, not bits):
+    over the row's range with 0 in it, s = (max - min) / 255 and zero point z = round(-min / s), x ~= s * (u - z)
+    with u = clip(round(x / s) + z, 0, 255)."""
+    lo = jnp.minimum(jnp.min(x, axis=-1, keepdims=True), 0.0)
+    s = (jnp.maximum(jnp.max(x, axis=-1, keepdims=True), 0.0) - lo) / 255.0
+    s = jnp.where(s > 0, s, 1.0)
+    z = jnp.round(-lo / s)
+    return (jnp.clip(jnp.round(x / s) + z, 0, 255) - z) * s
 
 
 def int8_isa() -> str | None:

@@ -45,13 +45,10 @@ constexpr int64_t kPad = 32;       // xq rows are zero-padded to a multiple of t
 
 inline int64_t Padded(int64_t K) { return (K + kPad - 1) / kPad * kPad; }
 
-constexpr int kTop16 = 32767;  // int16 rows (gpt2_jax.model.precision's int8)
-constexpr int kTop8 = 127;     // 8-bit rows (its w8a8: a8.h)
-
-// One row of x -> xq [Kp] (zeros past K) and its scale: max|x| / limit (|xq| <= limit); 0 for a zero row; NaN for a row
+// One row of x -> xq [Kp] (zeros past K) and its scale: max|x| / 32767; 0 for a zero row; NaN for a row
 // holding a NaN or an infinity (its outputs are then NaN, never a plausible number).
 __attribute__((target("avx2,fma"))) inline void QuantizeRow(const float* x, int64_t K, int64_t Kp, int16_t* xq,
-                                                            float* scale, int limit = kTop16) {
+                                                            float* scale) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   __m256 top = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
   int64_t k = 0;
@@ -71,7 +68,7 @@ __attribute__((target("avx2,fma"))) inline void QuantizeRow(const float* x, int6
     *scale = amax == 0.0f && !bad ? 0.0f : std::numeric_limits<float>::quiet_NaN();
     return;
   }
-  const double inv = static_cast<double>(limit) / static_cast<double>(amax);
+  const double inv = 32767.0 / static_cast<double>(amax);
   const __m256d vinv = _mm256_set1_pd(inv);
   for (k = 0; k + 8 <= K; k += 8) {  // x * inv in double, rounded to nearest (even), as std::nearbyint
     __m128i lo = _mm256_cvtpd_epi32(_mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(x + k)), vinv));
@@ -80,7 +77,56 @@ __attribute__((target("avx2,fma"))) inline void QuantizeRow(const float* x, int6
   }
   for (; k < K; ++k) xq[k] = static_cast<int16_t>(std::nearbyint(static_cast<double>(x[k]) * inv));
   std::fill(xq + K, xq + Kp, int16_t{0});
-  *scale = amax / static_cast<float>(limit);
+  *scale = amax / 32767.0f;
+}
+
+// 4 floats -> nearest(x * inv) + z clamped to a byte, minus z (QuantizeRow8).
+__attribute__((target("avx2,fma"))) inline __m128i Byte4(const float* at, __m256d inv, __m128i z) {
+  const __m128i u = _mm_add_epi32(_mm256_cvtpd_epi32(_mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(at)), inv)), z);
+  return _mm_sub_epi32(_mm_min_epi32(_mm_max_epi32(u, _mm_setzero_si128()), _mm_set1_epi32(255)), z);
+}
+
+// w8a8 (a8.h): one row of x -> xq [Kp] (zeros past K), its scale s and zero point z, over the row's range with
+// 0 in it (lo = min(min x, 0), hi = max(max x, 0), in double): s = (hi - lo) / 255, z = nearest(-lo / s) in
+// [0, 255], and xq = clamp(nearest(x / s) + z, 0, 255) - z, so x ~= s * xq and xq + z is one byte. The range,
+// not max |x|, sets the step: a GELU's output (min -0.17) gets twice the resolution of a symmetric rounding.
+// A row with no range (all zero): scale 0; a NaN or an infinity: NaN.
+__attribute__((target("avx2,fma"))) inline void QuantizeRow8(const float* x, int64_t K, int64_t Kp, int16_t* xq,
+                                                             float* scale, int32_t* zero) {
+  __m256 low = _mm256_setzero_ps(), high = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 v = _mm256_loadu_ps(x + k);
+    low = _mm256_min_ps(low, v), high = _mm256_max_ps(high, v);
+    odd = _mm256_or_ps(odd, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));  // NaN
+  }
+  alignas(32) float l8[8], h8[8], o8[8];
+  _mm256_store_ps(l8, low), _mm256_store_ps(h8, high), _mm256_store_ps(o8, odd);
+  float lo = 0.0f, hi = 0.0f;
+  bool bad = false;
+  for (int l = 0; l < 8; ++l) lo = std::min(lo, l8[l]), hi = std::max(hi, h8[l]), bad |= o8[l] != 0.0f;
+  for (; k < K; ++k) lo = std::min(lo, x[k]), hi = std::max(hi, x[k]), bad |= std::isnan(x[k]);
+  const double range = static_cast<double>(hi) - static_cast<double>(lo);
+  *zero = 0;
+  if (bad || !std::isfinite(range) || range == 0.0) {
+    std::fill(xq, xq + Kp, int16_t{0});
+    *scale = range == 0.0 && !bad ? 0.0f : std::numeric_limits<float>::quiet_NaN();
+    return;
+  }
+  const double inv = 255.0 / range;
+  const int32_t z = static_cast<int32_t>(std::nearbyint(-static_cast<double>(lo) * inv));
+  const __m256d vinv = _mm256_set1_pd(inv);
+  const __m128i vz = _mm_set1_epi32(z);
+  for (k = 0; k + 8 <= K; k += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + k),
+                     _mm_packs_epi32(Byte4(x + k, vinv, vz), Byte4(x + k + 4, vinv, vz)));
+  for (; k < K; ++k) {
+    const double u = std::nearbyint(static_cast<double>(x[k]) * inv) + z;
+    xq[k] = static_cast<int16_t>(std::min(255.0, std::max(0.0, u)) - z);
+  }
+  std::fill(xq + K, xq + Kp, int16_t{0});
+  *scale = static_cast<float>(range / 255.0);
+  *zero = z;
 }
 
 // ---------------------------------------------------------------------------------------------- tiles

@@ -211,10 +211,11 @@ struct Problem {
   const uint8_t* x_lo = nullptr;
   // x's rows packed in groups of 8 for vnni_rows.h's lanes-over-rows tiles, or null.
   const uint8_t* x_rows = nullptr;
-  // x's rows rounded to 8 bits and packed as bytes xq + 128 for a8.h's tiles, with qsum [N] (each weight
-  // row's sum), or null.
-  const uint8_t* x_a8 = nullptr;
+  // w8a8: qsum [N] (each weight row's sum) and x_zero [M] (each row's zero point: xq + x_zero is a byte),
+  // or null; x_a8: those bytes packed for a8.h's tiles, or null.
   const int32_t* qsum = nullptr;
+  const int32_t* x_zero = nullptr;
+  const uint8_t* x_a8 = nullptr;
   // int8: weight rows per work item (int8::DecodeColumns), or 0 for int8::kColBlock.
   int64_t cols = 0;
 };

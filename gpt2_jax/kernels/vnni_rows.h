@@ -19,8 +19,8 @@
 //   against 64 weights at a time). Every term is an exact integer in int32 lanes for K <= 65536
 //   (|(hi + 128) . q| <= 65536 * 255 * 128 < 2^31), joined in int64: int8.h's total, then its one rounding.
 //
-// w8a8's 8-bit rows (|xq| <= 127, a8.h) need no low plane: xq + 128 is one byte, so a group holds 16 rows, one
-// per lane, and the total is lane[r] - 128 * sum(q); one instruction does twice the rows (measured 2026-12-05 on
+// w8a8's 8-bit rows (a8.h) need no low plane: xq + z (its zero point) is one byte, so a group holds 16 rows,
+// one per lane, and the total is lane[r] - z * sum(q); one instruction does twice the rows (measured 2026-12-05 on
 // the 2-core AMD EPYC, gpt2-small's 49 matmuls through the FFI, taking turns: 512 rows 291 against int16's 467
 // ms, 64 rows 37.6 against 57.9, 16 rows 8.8 against 14.2).
 //
@@ -83,17 +83,17 @@ __attribute__((target("avx512f,avx512bw"))) inline void Pack(const int16_t* xq, 
   }
 }
 
-// w8a8's xq [M, Kp] (int16, |xq| <= 127) -> [groups of 16][K / 4][16 lanes][4] bytes of xq + 128. Rows past M
-// are 128s (xq = 0; their sums are dropped).
-__attribute__((target("avx512f,avx512bw"))) inline void Pack8(const int16_t* xq, int64_t M, int64_t K, int64_t Kp,
-                                                              uint8_t* out) {
+// w8a8's xq [M, Kp] (int16) and zero points -> [groups of 16][K / 4][16 lanes][4] bytes of xq + zero. Rows past
+// M are zero bytes (their sums are dropped).
+__attribute__((target("avx512f,avx512bw"))) inline void Pack8(const int16_t* xq, const int32_t* zero, int64_t M,
+                                                              int64_t K, int64_t Kp, uint8_t* out) {
   if (M % kG8 != 0) {
     const int64_t tail = M / kG8 * GroupBytes(K);
-    std::memset(out + tail, 128, PackedBytes(M, K, kG8) - tail);
+    std::memset(out + tail, 0, PackedBytes(M, K, kG8) - tail);
   }
   alignas(64) uint8_t b[32];
-  const __m512i bias = _mm512_set1_epi16(128);
   for (int64_t m = 0; m < M; ++m) {
+    const __m512i bias = _mm512_set1_epi16(static_cast<int16_t>(zero[m]));
     const int16_t* row = xq + m * Kp;  // readable to Kp, a multiple of 32, zeros past K
     uint8_t* group = out + m / kG8 * GroupBytes(K);
     const int r = static_cast<int>(m % kG8);
@@ -112,10 +112,12 @@ __attribute__((target("avx512f"))) inline __m512i Broadcast(const int8_t* w) {
 }
 
 // One group (packed px) against kNR weight rows over K -> exact int64 totals[r][j] (G rows: 8, two planes;
-// 16, w8a8's one plane). `ahead`: bytes to prefetch ahead in each weight row (0: none).
+// 16, w8a8's one plane, its rows' zero points in zero[16]). `ahead`: bytes to prefetch ahead in each weight row
+// (0: none).
 template <int G>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void Tile(const uint8_t* px, const int8_t* const* w,
-                                                                        int64_t K, int64_t* totals, int64_t ahead) {
+                                                                        int64_t K, int64_t* totals, int64_t ahead,
+                                                                        const int32_t* zero) {
   __m512i acc[kNR], wsum[kNR];
 #pragma GCC unroll 12
   for (int j = 0; j < kNR; ++j) acc[j] = wsum[j] = _mm512_setzero_si512();
@@ -147,7 +149,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void Tile(const ui
     _mm512_store_si512(lane, acc[j]);
     const int64_t sum_q = _mm512_reduce_add_epi32(wsum[j]);  // |sum_q| <= 128 K: no overflow
     if constexpr (G == kG8) {
-      for (int r = 0; r < kG8; ++r) totals[r * kNR + j] = lane[r] - 128 * sum_q;
+      for (int r = 0; r < kG8; ++r) totals[r * kNR + j] = lane[r] - zero[r] * sum_q;
     } else {
       for (int r = 0; r < kG; ++r) totals[r * kNR + j] = 256 * (lane[r] - 128 * sum_q) + lane[kG + r];
     }
@@ -166,7 +168,9 @@ inline void Block(const Problem& p, int64_t m0, int64_t m1, int64_t n0, int64_t 
     for (int j = 0; j < kNR; ++j) ws[j] = p.wq + (n + std::min<int64_t>(j, nn - 1)) * p.K;
     for (int64_t g = m0; g < m1; g += G) {
       const uint8_t* px = p.x_rows + g / G * GroupBytes(p.K);
-      (G == kG8 ? Tile<kG8> : Tile<kG>)(px, ws, p.K, totals, g == m0 ? ahead : 0);
+      int32_t zero[kG8] = {};  // w8a8's zero points, 0 for rows past m1
+      if (p.x_zero != nullptr) std::copy(p.x_zero + g, p.x_zero + std::min<int64_t>(g + G, m1), zero);
+      (G == kG8 ? Tile<kG8> : Tile<kG>)(px, ws, p.K, totals, g == m0 ? ahead : 0, zero);
       for (int64_t i = 0; i < std::min<int64_t>(G, m1 - g); ++i) {
         const double sx = p.x_scale[g + i];
         for (int64_t j = 0; j < nn; ++j)

@@ -104,7 +104,7 @@ def int8_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, qsum: jax.Array | 
     """x [..., in] @ (q [out..., in] int8 * scale [out...]).T -> [..., out...] float32 (gpt2_jax.model.precision's
     int8, or its w8a8 with qsum [out...], the weight rows' sums): on a CPU gpt2_jax.kernels.rowdot_int8,
     whose every output is one exact integer dot product, then times its scales, rounded the same way for any
-    M; otherwise matmul's XLA form over q as float32 (x's rows rounded to 8 bits first for w8a8), then the
+    M; otherwise matmul's XLA form over q as float32 (x's rows rounded to bytes first for w8a8), then the
     scales."""
     lead, out = x.shape[:-1], q.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).astype(F32)

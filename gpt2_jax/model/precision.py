@@ -14,13 +14,14 @@
             row's bits never depend on its batch, and a decode step reads 1 byte per weight (a quarter
             of float32's). The embedding is q[token] * scale[token]. Elsewhere (GPU, no kernels) XLA's
             matmul of x and q as float32, then the scales.
-  w8a8      int8's weights (the same q and scales), with each matmul's input row rounded to 8 bits by its
-            own scale instead of 16 (a step of 1/254 of its largest element): on a CPU with AVX512-VNNI a
-            decode step's few rows then multiply at twice the rate (gpt2_jax.kernels' a8.h), for more
-            logit error (bench/precision.py, bench/peers.py). The params hold each weight row's sum too
-            ("qsum" int32 [out] beside each "scale", "wte_qsum" [V]), which the kernel needs and which
-            marks the mode; they are computed here, from q, never stored: a saved w8a8 checkpoint is
-            int8's, and load(..., dtype="w8a8") adds them back.
+  w8a8      int8's weights (the same q and scales), with each matmul's input row rounded to a byte instead
+            of int16: 255 steps over the row's range (0 included) and a zero point, as ONNX Runtime's
+            dynamic int8 rounds its activations, but per row. On a CPU with AVX512-VNNI a decode step's
+            few rows and a prefill's many then multiply at twice the rate (gpt2_jax.kernels' a8.h and
+            vnni_rows.h), for more logit error (bench/precision.py, bench/peers.py). The params hold each
+            weight row's sum too ("qsum" int32 [out] beside each "scale", "wte_qsum" [V]), which the
+            kernel needs and which marks the mode; they are computed here, from q, never stored: a saved
+            w8a8 checkpoint is int8's, and load(..., dtype="w8a8") adds them back.
 
 bench/precision.py measures each mode's logit error against float32 (the table is in README.md), and
 bench/peers.py int8 speed and error against other engines' int8. int8 params are for inference only:
