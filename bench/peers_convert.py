@@ -132,7 +132,7 @@ def engine_gpt2_jax(ckpt: Path, work: Path, threads: int, precision: str):
     import gpt2_jax
     from gpt2_jax import kernels
 
-    params, config = gpt2_jax.load(ckpt, dtype="int8" if precision == "int8" else "float32")
+    params, config = gpt2_jax.load(ckpt, dtype=precision if precision in ("int8", "w8a8") else "float32")
 
     def gen(prompts, n):
         out = gpt2_jax.generate(params, config, prompts.tolist(), jax.random.key(0), max_new_tokens=n, eos_id=None,
@@ -143,7 +143,8 @@ def engine_gpt2_jax(ckpt: Path, work: Path, threads: int, precision: str):
         return np.asarray(gpt2_jax.forward(params, prompts, config))[:, -1]
 
     isa = os.environ.get("GPT2_JAX_ROWDOT_ISA")
-    q = f", int8 weights (rowdot_int8, {kernels.int8_isa()}), int16-rounded activations" if precision == "int8" else ""
+    rows = {"int8": "int16-rounded activations", "w8a8": "8-bit activations"}.get(precision)
+    q = f", int8 weights (rowdot_int8, {kernels.int8_isa()}), {rows}" if rows else ""
     info = f"jax {jax.__version__}, kernels {kernels.available()}" + (f", forced {isa}" if isa else "") + q
     return gen, info, logits
 
