@@ -250,3 +250,23 @@ def test_no_request_stalls_the_others_while_its_programs_or_its_constraint_compi
 
 def engine_thread_ident(engine):
     return engine.ident
+
+
+@pytest.mark.parametrize("mode", ["int8", "w8a8"])
+def test_int8_and_w8a8_requests_in_a_batch_equal_generate_alone(model, mode):
+    """The int8 modes through the engine: 4 requests decoding together (w8a8's 3 to 8 rows take a8.h's byte
+    tiles on VNNI) each give the bits generate gives it alone (1 row: the int16 tiles)."""
+    from gpt2_jax.model.precision import with_precision
+
+    params, config, enc = model
+    q = with_precision(params, mode)
+    engine = Engine(q, config, max_batch=4, max_queue=4, max_seq=64)
+    texts = ["ROMEO:", "JULIET: O Romeo", "To be", "HAMLET:\n"]
+    made = [request(enc.encode(t), 12, 70 + i, dict(temperature=0.9, top_k=20)) for i, t in enumerate(texts)]
+    for i, (req, _) in enumerate(made):
+        req.seed = 70 + i
+        engine.submit(req)
+    while engine.step():
+        pass
+    for req, rec in made:
+        assert_same(q, config, req, rec)
