@@ -11,9 +11,9 @@
 // xq + z a byte): the exact integer total of xq . q, then int8.h's one rounding. vpdpbusd wants its first
 // operand unsigned, which xq + z is, so the total is (xq + z) . q - z * qsum, with qsum = sum(q), the weight
 // row's own sum (computed once with the weights, gpt2_jax.model.precision). Every term is an exact integer
-// in int32 for K <= 65536 (255 * 127 * K < 2^31). Other row counts run int8.h's own paths on the same small xq (1-2 rows its int16
-// tiles; 16 or more vnni_rows.h's lanes over rows, one byte plane of 16 rows; AMX's tiles; AVX2): the same
-// exact totals, so the same bits for any number of rows.
+// in int32 for K <= 65536 (255 * 127 * K < 2^31). Other row counts run int8.h's own paths on the same small
+// xq (1-2 rows its int16 tiles; 16 or more vnni_rows.h's lanes over rows, one byte plane of 16 rows; AMX's
+// tiles; AVX2): the same exact totals, so the same bits for any number of rows.
 // (No XLA, no Python here: a plain C++ program can time it.)
 #pragma once
 
@@ -30,8 +30,8 @@ namespace a8 {
 using rowdot::Problem;
 
 constexpr int64_t kMaxK = 65536;  // the int32 totals' bound (above)
-constexpr int64_t kMinRows = 3;   // fewer rows take int8.h's tiles (memory-bound there: as fast or faster)
-constexpr int64_t kMaxRows = 8;   // more rows take int8.h's paths
+constexpr int kMinRows = 3;       // fewer rows take int8.h's tiles (memory-bound there: as fast or faster)
+constexpr int kMaxRows = 8;       // more rows take int8.h's paths
 constexpr int64_t kPad = 64;      // packed rows are padded to whole 64-byte steps (against zero weights)
 
 inline int64_t Padded(int64_t K) { return (K + kPad - 1) / kPad * kPad; }
@@ -46,7 +46,7 @@ __attribute__((target("avx512f,avx512bw"))) inline void Pack(const int16_t* xq, 
     const int16_t* row = xq + m * Kq;  // readable to Kq, a multiple of 32, zeros past K
     uint8_t* to = out + m * Kp;
     int64_t k = 0;
-    for (; k + 32 <= Kq && k + 32 <= Kp; k += 32)
+    for (; k + 32 <= Kq; k += 32)  // Kq <= Kp
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + k),
                           _mm512_cvtepi16_epi8(_mm512_add_epi16(_mm512_loadu_si512(row + k), bias)));
     std::memset(to + k, zero[m], Kp - k);
@@ -61,7 +61,8 @@ __attribute__((target("avx512f,avx512vnni"))) inline __m512i DpbusdInPlace(__m51
 }
 
 // Eight accumulators' lane sums at once (integer sums: exact in any order), a transposing tree of shuffles and
-// adds in place of eight separate reductions, which at K = 768 had cost a third as much as the products.
+// adds in place of eight separate reductions, which at K = 768 had cost a third as much as the products: the
+// tree of rowdot.h's Sum16x8, on int32 lanes (whose adds are not float adds, hence its own copy).
 __attribute__((target("avx512f"))) inline void Sum16x8(const __m512i* a, int32_t* out) {
   __m512i c[4], d[2];
   for (int p = 0; p < 4; ++p)  // 256-bit halves added: a[2p]'s sums in the low half, a[2p + 1]'s in the high
@@ -111,10 +112,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void Tile(const uint8_t* 
   if (k < K) {  // the last K % 64 weights from zero-filled copies (x's padding times 0 adds nothing)
     alignas(64) int8_t tail[NR][64];
     const int8_t* ws[NR];
-    for (int j = 0; j < NR; ++j) {
-      for (int64_t l = 0; l < 64; ++l) tail[j][l] = k + l < K ? w[j][k + l] : 0;
-      ws[j] = tail[j];
-    }
+    rowdot::ZeroFilledTail(w, k, K, tail, ws);
     Step<MR, NR>(x, ws, k, 0, acc, 0);
   }
   const __m512i* flat = &acc[0][0];
@@ -125,45 +123,41 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void Tile(const uint8_t* 
 
 using TileFn = void (*)(const uint8_t* const*, const int8_t* const*, int64_t, int32_t*, int64_t);
 
-struct Kernel {
-  int mr, nr;
-  TileFn tiles[9];
-  int ahead;  // tiles on that a tile prefetches the weight rows of
-};
+constexpr int kNR = 3;         // weight rows per tile
+constexpr int64_t kAhead = 2;  // tiles on that a tile prefetches the weight rows of
 
-// 3 to 8 rows (On) in one 8 x 3 tile, so each weight vector loaded feeds every row, prefetching the weight
-// rows two tiles on (measured 2026-12-05 on a 2-core AMD EPYC, gpt2-small's 49 matmuls at 8 rows, taking turns
-// in one process: 5.15 ms against 7.41 with int8.h's int16 tiles; prefetching 1, 3, 4 or 8 tiles on 6.17, 5.20,
-// 5.24, 5.54 ms, none 10.1). One or two rows stay on int8.h's tiles: memory-bound, they were as fast or faster.
-inline const Kernel& Few() {
-  static const Kernel few{8, 3, {nullptr, nullptr, nullptr, Tile<3, 3>, Tile<4, 3>, Tile<5, 3>, Tile<6, 3>,
-                                 Tile<7, 3>, Tile<8, 3>}, 2};
-  return few;
+// 3 to 8 rows (int8::OnA8) in one 8 x 3 tile, so each weight vector loaded feeds every row, prefetching the
+// weight rows two tiles on (measured 2026-12-05 on a 2-core AMD EPYC, gpt2-small's 49 matmuls at 8 rows, taking
+// turns in one process: 5.15 ms against 7.41 with int8.h's int16 tiles; prefetching 1, 3, 4 or 8 tiles on 6.17,
+// 5.20, 5.24, 5.54 ms, none 10.1). One or two rows stay on int8.h's tiles: memory-bound, they were as fast or
+// faster.
+inline TileFn TileFor(int64_t rows) {
+  static const TileFn tiles[kMaxRows + 1] = {nullptr,    nullptr,    nullptr,    Tile<3, kNR>, Tile<4, kNR>,
+                                             Tile<5, kNR>, Tile<6, kNR>, Tile<7, kNR>, Tile<8, kNR>};
+  return tiles[rows];
 }
 
-// Rows [m0, m1) x columns [n0, n1) of y, from p.x_a8 (Pack's rows), p.x_zero and p.qsum. A short last tile repeats its
-// last column (computed the same way, then dropped). y is int8.h's one rounding of the exact total.
+// Rows [m0, m1) (at most kMaxRows: one tile) x columns [n0, n1) of y, from p.x_a8 (Pack's rows), p.x_zero and
+// p.qsum. A short last tile repeats its last column (computed the same way, then dropped). y is int8.h's one
+// rounding of the exact total.
 inline void Block(const Problem& p, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
-  const Kernel& kern = Few();
-  const int64_t ahead = kern.ahead * kern.nr * p.K, Kp = Padded(p.K);
-  int32_t out[24];
-  const uint8_t* xs[8];
-  const int8_t* ws[8];
-  for (int64_t n = n0; n < n1; n += kern.nr) {
-    const int64_t nn = std::min<int64_t>(kern.nr, n1 - n);
-    for (int j = 0; j < kern.nr; ++j) ws[j] = p.wq + (n + std::min<int64_t>(j, nn - 1)) * p.K;
-    for (int64_t m = m0; m < m1; m += kern.mr) {  // one tile: m1 - m0 <= kMaxRows
-      const int64_t mm = std::min<int64_t>(kern.mr, m1 - m);
-      for (int i = 0; i < mm; ++i) xs[i] = p.x_a8 + (m + i) * Kp;
-      kern.tiles[mm](xs, ws, p.K, out, ahead);
-      for (int i = 0; i < mm; ++i) {
-        const double sx = p.x_scale[m + i];
-        for (int j = 0; j < nn; ++j) {
-          const int64_t total = static_cast<int64_t>(out[i * kern.nr + j]) -
-                                static_cast<int64_t>(p.x_zero[m + i]) * static_cast<int64_t>(p.qsum[n + j]);
-          p.y[(m + i) * p.N + n + j] =
-              static_cast<float>(static_cast<double>(total) * sx * static_cast<double>(p.w_scale[n + j]));
-        }
+  const int64_t rows = m1 - m0, ahead = kAhead * kNR * p.K, Kp = Padded(p.K);
+  const TileFn tile = TileFor(rows);
+  int32_t out[kMaxRows * kNR];
+  const uint8_t* xs[kMaxRows];
+  const int8_t* ws[kNR];
+  for (int i = 0; i < rows; ++i) xs[i] = p.x_a8 + (m0 + i) * Kp;
+  for (int64_t n = n0; n < n1; n += kNR) {
+    const int64_t nn = std::min<int64_t>(kNR, n1 - n);
+    for (int j = 0; j < kNR; ++j) ws[j] = p.wq + (n + std::min<int64_t>(j, nn - 1)) * p.K;
+    tile(xs, ws, p.K, out, ahead);
+    for (int i = 0; i < rows; ++i) {
+      const double sx = p.x_scale[m0 + i];
+      for (int j = 0; j < nn; ++j) {
+        const int64_t total = static_cast<int64_t>(out[i * kNR + j]) -
+                              static_cast<int64_t>(p.x_zero[m0 + i]) * static_cast<int64_t>(p.qsum[n + j]);
+        p.y[(m0 + i) * p.N + n + j] =
+            static_cast<float>(static_cast<double>(total) * sx * static_cast<double>(p.w_scale[n + j]));
       }
     }
   }

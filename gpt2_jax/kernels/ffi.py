@@ -158,8 +158,10 @@ def rowdot_int8(x: jax.Array, q: jax.Array, scale: jax.Array, qsum: jax.Array | 
 
     With qsum [N] int32 (q's row sums: gpt2_jax.model.precision's w8a8) the row is rounded to bytes
     instead, 255 steps over its range with a zero point (int8.h's QuantizeRow8), which VNNI multiplies at
-    twice the rate (a8.h, vnni_rows.h); the rest is the same, so the bits are again the row's own. Where the kernel does not run: XLA's matmul of x (so
-    rounded, for w8a8) and q as float32, then the scales: close to the kernel's values, not its bits."""
+    twice the rate (a8.h, vnni_rows.h); the rest is the same, so the bits are again the row's own.
+
+    Where the kernel does not run: XLA's matmul of x (so rounded, for w8a8) and q as float32, then the
+    scales: close to the kernel's values, not its bits."""
     out = jax.ShapeDtypeStruct((*x.shape[:-1], q.shape[-2]), F32)
     operands = (x, q, scale) if qsum is None else (x, q, scale, qsum)
 

@@ -45,24 +45,32 @@ constexpr int64_t kPad = 32;       // xq rows are zero-padded to a multiple of t
 
 inline int64_t Padded(int64_t K) { return (K + kPad - 1) / kPad * kPad; }
 
+// A row's range with 0 in it: *lo = min(min x, 0), *hi = max(max x, 0); false where the row holds a NaN.
+// One pass for both roundings below (max |x| is max(hi, -lo)).
+__attribute__((target("avx2,fma"))) inline bool RowRange(const float* x, int64_t K, float* lo, float* hi) {
+  __m256 low = _mm256_setzero_ps(), high = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 v = _mm256_loadu_ps(x + k);
+    low = _mm256_min_ps(low, v), high = _mm256_max_ps(high, v);
+    odd = _mm256_or_ps(odd, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));  // NaN
+  }
+  alignas(32) float l8[8], h8[8], o8[8];
+  _mm256_store_ps(l8, low), _mm256_store_ps(h8, high), _mm256_store_ps(o8, odd);
+  *lo = 0.0f, *hi = 0.0f;
+  bool nan = false;
+  for (int l = 0; l < 8; ++l) *lo = std::min(*lo, l8[l]), *hi = std::max(*hi, h8[l]), nan |= o8[l] != 0.0f;
+  for (; k < K; ++k) *lo = std::min(*lo, x[k]), *hi = std::max(*hi, x[k]), nan |= std::isnan(x[k]);
+  return !nan;
+}
+
 // One row of x -> xq [Kp] (zeros past K) and its scale: max|x| / 32767; 0 for a zero row; NaN for a row
 // holding a NaN or an infinity (its outputs are then NaN, never a plausible number).
 __attribute__((target("avx2,fma"))) inline void QuantizeRow(const float* x, int64_t K, int64_t Kp, int16_t* xq,
                                                             float* scale) {
-  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  __m256 top = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + 8 <= K; k += 8) {
-    __m256 v = _mm256_loadu_ps(x + k);
-    top = _mm256_max_ps(top, _mm256_and_ps(v, abs_mask));
-    odd = _mm256_or_ps(odd, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));  // NaN
-  }
-  alignas(32) float t[8], o[8];
-  _mm256_store_ps(t, top), _mm256_store_ps(o, odd);
-  float amax = 0.0f;
-  bool bad = false;
-  for (int l = 0; l < 8; ++l) amax = std::max(amax, t[l]), bad |= o[l] != 0.0f;
-  for (; k < K; ++k) amax = std::max(amax, std::fabs(x[k])), bad |= std::isnan(x[k]);
+  float lo, hi;
+  const bool bad = !RowRange(x, K, &lo, &hi);
+  const float amax = std::max(hi, -lo);
   if (bad || !std::isfinite(amax) || amax == 0.0f) {
     std::fill(xq, xq + Kp, int16_t{0});
     *scale = amax == 0.0f && !bad ? 0.0f : std::numeric_limits<float>::quiet_NaN();
@@ -70,7 +78,8 @@ __attribute__((target("avx2,fma"))) inline void QuantizeRow(const float* x, int6
   }
   const double inv = 32767.0 / static_cast<double>(amax);
   const __m256d vinv = _mm256_set1_pd(inv);
-  for (k = 0; k + 8 <= K; k += 8) {  // x * inv in double, rounded to nearest (even), as std::nearbyint
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {  // x * inv in double, rounded to nearest (even), as std::nearbyint
     __m128i lo = _mm256_cvtpd_epi32(_mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(x + k)), vinv));
     __m128i hi = _mm256_cvtpd_epi32(_mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(x + k + 4)), vinv));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + k), _mm_packs_epi32(lo, hi));
@@ -93,19 +102,8 @@ __attribute__((target("avx2,fma"))) inline __m128i Byte4(const float* at, __m256
 // A row with no range (all zero): scale 0; a NaN or an infinity: NaN.
 __attribute__((target("avx2,fma"))) inline void QuantizeRow8(const float* x, int64_t K, int64_t Kp, int16_t* xq,
                                                              float* scale, int32_t* zero) {
-  __m256 low = _mm256_setzero_ps(), high = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + 8 <= K; k += 8) {
-    __m256 v = _mm256_loadu_ps(x + k);
-    low = _mm256_min_ps(low, v), high = _mm256_max_ps(high, v);
-    odd = _mm256_or_ps(odd, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));  // NaN
-  }
-  alignas(32) float l8[8], h8[8], o8[8];
-  _mm256_store_ps(l8, low), _mm256_store_ps(h8, high), _mm256_store_ps(o8, odd);
-  float lo = 0.0f, hi = 0.0f;
-  bool bad = false;
-  for (int l = 0; l < 8; ++l) lo = std::min(lo, l8[l]), hi = std::max(hi, h8[l]), bad |= o8[l] != 0.0f;
-  for (; k < K; ++k) lo = std::min(lo, x[k]), hi = std::max(hi, x[k]), bad |= std::isnan(x[k]);
+  float lo, hi;
+  const bool bad = !RowRange(x, K, &lo, &hi);
   const double range = static_cast<double>(hi) - static_cast<double>(lo);
   *zero = 0;
   if (bad || !std::isfinite(range) || range == 0.0) {
@@ -117,7 +115,8 @@ __attribute__((target("avx2,fma"))) inline void QuantizeRow8(const float* x, int
   const int32_t z = static_cast<int32_t>(std::nearbyint(-static_cast<double>(lo) * inv));
   const __m256d vinv = _mm256_set1_pd(inv);
   const __m128i vz = _mm_set1_epi32(z);
-  for (k = 0; k + 8 <= K; k += 8)
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8)
     _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + k),
                      _mm_packs_epi32(Byte4(x + k, vinv, vz), Byte4(x + k + 4, vinv, vz)));
   for (; k < K; ++k) {
@@ -179,10 +178,7 @@ __attribute__((target("avx512f,avx512vnni"))) inline __m512i DpwssdInPlace(__m51
       if (k < k1) { /* the last K % 32 weights, from zero-filled copies (x is zero there too) */             \
         alignas(64) int8_t tail[NR][32];                                                                     \
         const int8_t* ws[NR];                                                                                \
-        for (int j = 0; j < NR; ++j) {                                                                       \
-          for (int64_t l = 0; l < 32; ++l) tail[j][l] = k + l < k1 ? w[j][k + l] : 0;                        \
-          ws[j] = tail[j];                                                                                   \
-        }                                                                                                    \
+        rowdot::ZeroFilledTail(w, k, k1, tail, ws);                                                          \
         NAME##Step<MR, NR>(x, ws, k, 0, acc, 0);                                                             \
       }                                                                                                      \
       for (int i = 0; i < MR; ++i)                                                                           \
@@ -242,10 +238,7 @@ __attribute__((target("avx2"))) void Tile256(const int16_t* const* x, const int8
     if (k < k1) {
       alignas(32) int8_t tail[NR][16];
       const int8_t* ws[NR];
-      for (int j = 0; j < NR; ++j) {
-        for (int64_t l = 0; l < 16; ++l) tail[j][l] = k + l < k1 ? w[j][k + l] : 0;
-        ws[j] = tail[j];
-      }
+      rowdot::ZeroFilledTail(w, k, k1, tail, ws);
       Step256<MR, NR>(x, ws, k, 0, acc, 0);
     }
     for (int i = 0; i < MR; ++i)

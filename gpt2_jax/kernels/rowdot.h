@@ -220,6 +220,16 @@ struct Problem {
   int64_t cols = 0;
 };
 
+// The int8 tiles' last part-step (int8.h, a8.h): weights w[j][k, k1) copied into zero-filled rows of L bytes,
+// ws[j] pointing at them, so a whole step reads past no weight row and adds nothing past k1.
+template <int NR, int L>
+inline void ZeroFilledTail(const int8_t* const* w, int64_t k, int64_t k1, int8_t (&tail)[NR][L], const int8_t** ws) {
+  for (int j = 0; j < NR; ++j) {
+    for (int64_t l = 0; l < L; ++l) tail[j][l] = k + l < k1 ? w[j][k + l] : 0;
+    ws[j] = tail[j];
+  }
+}
+
 inline int64_t MaxEnd(const Problem& p, int64_t m, int64_t mm) {
   int64_t e = 0;
   for (int64_t i = 0; i < mm; ++i) e = std::max<int64_t>(e, p.ends[m + i]);

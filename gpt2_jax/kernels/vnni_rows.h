@@ -98,7 +98,8 @@ __attribute__((target("avx512f,avx512bw"))) inline void Pack8(const int16_t* xq,
     uint8_t* group = out + m / kG8 * GroupBytes(K);
     const int r = static_cast<int>(m % kG8);
     for (int64_t k = 0; k < K; k += 32) {
-      _mm256_store_si256(reinterpret_cast<__m256i*>(b), _mm512_cvtepi16_epi8(_mm512_add_epi16(_mm512_loadu_si512(row + k), bias)));
+      const __m512i u = _mm512_add_epi16(_mm512_loadu_si512(row + k), bias);  // xq + zero, a byte
+      _mm256_store_si256(reinterpret_cast<__m256i*>(b), _mm512_cvtepi16_epi8(u));
       for (int64_t c = 0; c < 32 && k + c < K; c += 4) std::memcpy(group + (k + c) / 4 * 64 + r * 4, b + c, 4);
     }
   }
