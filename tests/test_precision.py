@@ -115,3 +115,32 @@ def test_convert_stores_int8_and_load_keeps_or_dequantizes_it(model, tmp_path):
     with pytest.raises(ConfigError, match="chosen when loading"):
         gpt2_jax.convert(src, tmp_path / "w", dtype="w8a8")
     assert not (tmp_path / "w").exists()
+
+
+def test_int8_embedding_keeps_a_second_byte(model, tmp_path):
+    """int8's tied wte rounds each row to a byte for the head, but a token's embedding (only B rows a step, never
+    streamed) also reads a second byte, 256x finer: against transformers' float32 rows it is within 1/256 of a
+    step where the first byte alone is off by up to half a step. An int8 checkpoint written without it still loads."""
+    from gpt2_jax.model.gpt2 import embed
+
+    hf, params, config = model
+    q = quantize_int8(params)
+    assert q["wte_residual"].dtype == jnp.int8 and q["wte_residual"].shape == q["wte"].shape
+    ids = jnp.arange(config.vocab_size)[None]
+    wpe0 = np.asarray(params["wpe"][0], np.float64)
+    ref = hf.transformer.wte.weight.detach().numpy().astype(np.float64)
+    step = np.asarray(q["wte_scale"], np.float64)[:, None]
+    at = lambda p: np.asarray(embed(p, ids, jnp.zeros_like(ids)), np.float64)[0] - wpe0
+    fine = np.abs(at(q) - ref)
+    assert (fine <= step / 256 + 1e-6).all()  # half a fine step, or one where the byte clips at 127
+    coarse = np.abs(at({k: v for k, v in q.items() if k != "wte_residual"}) - ref)
+    assert (coarse <= step / 2 + 1e-6).all() and coarse.max() > 50 * fine.max()
+    # the head reads the first byte only: the float32 model of these params is q * scale, as before
+    assert (np.asarray(with_precision(q, "float32")["wte"]) == np.asarray(q["wte"], np.float32) * q["wte_scale"][:, None]).all()  # fmt: skip
+    old = {k: v for k, v in q.items() if k != "wte_residual"}
+    native.save(tmp_path / "old", old, config)
+    loaded, _ = gpt2_jax.load(tmp_path / "old")
+    assert "wte_residual" not in loaded
+    tokens = random_tokens(config.vocab_size, (2, 8), seed=4)
+    bits = lambda p: np.asarray(gpt2_jax.forward(p, tokens, config)).view(np.uint32)
+    assert (bits(loaded) == bits(old)).all() and (bits(loaded) != bits(q)).any()

@@ -25,7 +25,11 @@ def embed(params: Params, tokens: jax.Array, positions: jax.Array, tap=None) -> 
     turns into plausible-looking logits inside a jit where it cannot raise."""
     tok = jnp.take(params["wte"], tokens, axis=0, mode="fill", fill_value=jnp.nan if not is_int8(params) else 0)
     if is_int8(params):  # int8 rows (gpt2_jax.model.precision) times their scales; a bad id's scale is NaN
-        tok = tok.astype(F32) * jnp.take(params["wte_scale"], tokens, mode="fill", fill_value=jnp.nan)[..., None]
+        tok = tok.astype(F32)
+        if "wte_residual" in params:  # the embedding's second byte: q + r / 256 (exact in float32), then the scale
+            residual = jnp.take(params["wte_residual"], tokens, axis=0, mode="fill", fill_value=0)
+            tok = tok + residual.astype(F32) / 256.0
+        tok = tok * jnp.take(params["wte_scale"], tokens, mode="fill", fill_value=jnp.nan)[..., None]
     pos = jnp.take(params["wpe"], positions, axis=0, mode="fill", fill_value=jnp.nan)
     if tap is not None:  # [T, D] positions broadcast as the sum would, so the hook sees [B, T, D]
         tok, pos = tap("hook_embed", tok.astype(F32)), tap("hook_pos_embed", jnp.broadcast_to(pos, tok.shape))

@@ -62,12 +62,20 @@ def _layers(params: Params, fn) -> Params:
     return {**params, "h": [layer(p) for p in h] if isinstance(h, (list, tuple)) else layer(h)}
 
 
+def embedding_residual(w: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
+    """The tied embedding's second byte: w [V, D] float32, its int8 q and scale [V] -> r int8 [V, D] with
+    w ~= (q + r / 256) * scale within 1/256 of q's step (q rounds to nearest, so 256 (w / scale - q) is in
+    [-128, 128]: rounded, and clipped to [-127, 127] where it reaches 128, it is a byte)."""
+    return jnp.clip(jnp.round((w / scale[:, None] - q) * 256.0), -127, 127).astype(jnp.int8)
+
+
 @jax.jit
 def _quantize_int8(params: Params) -> Params:
     params = cast_params(params, jnp.float32)
     wte, wte_scale = quantize(params["wte"])
+    residual = embedding_residual(params["wte"], wte, wte_scale)
     params = _layers(params, lambda p: {**p, **dict(zip(("weight", "scale"), quantize(p["weight"]), strict=True))})
-    return {**params, "wte": wte, "wte_scale": wte_scale}
+    return {**params, "wte": wte, "wte_scale": wte_scale, "wte_residual": residual}
 
 
 def quantize_int8(params: Params) -> Params:
@@ -109,6 +117,7 @@ def _dequantize(params: Params) -> Params:
 
     params = dict(_layers(params, linear))
     scale = params.pop("wte_scale")
+    params.pop("wte_residual", None)  # one float wte serves both ends: the head's q * scale
     return {**params, "wte": params["wte"].astype(jnp.float32) * scale[:, None]}
 
 

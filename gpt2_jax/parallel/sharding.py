@@ -90,7 +90,7 @@ def _names(path) -> tuple[str, ...]:
 
 def leaf_spec(names: tuple[str, ...], ndim: int, config: GPT2Config, model: int) -> P:
     """The PartitionSpec of one parameter, by its path in the pytree (see the module docstring)."""
-    if names in (("wte",), ("wte_scale",), ("wte_qsum",)):  # int8's wte_scale [V] (w8a8's wte_qsum) follows wte's rows
+    if names in (("wte",), ("wte_scale",), ("wte_qsum",), ("wte_residual",)):  # int8's wte_* follow wte's rows
         split = model > 1 and config.vocab_size % model == 0
         return P("model", *[None] * (ndim - 1)) if split else P()
     axis = _MODEL_AXIS.get(names[-2:])
