@@ -261,7 +261,7 @@ def logit_errors(workers, timeout: float) -> dict:
         if x is None or x.shape != ref.shape:
             continue
         d = np.abs(x - ref)
-        out[w] = (f"{d.max() / np.abs(ref).max():.1e} / {d.mean() / np.abs(ref).mean():.1e} / "
+        out[w] = (f"{d.max() / np.abs(ref).max():.2e} / {d.mean() / np.abs(ref).mean():.2e} / "
                   f"{(x.argmax(-1) == ref.argmax(-1)).mean():.0%}")  # fmt: skip
         print(f"{w.name:40s} logit error vs fp32 (max rel / mean rel / top-1): {out[w]}", flush=True)
     return out
