@@ -143,7 +143,8 @@ def engine_gpt2_jax(ckpt: Path, work: Path, threads: int, precision: str):
         return np.asarray(gpt2_jax.forward(params, prompts, config))[:, -1]
 
     isa = os.environ.get("GPT2_JAX_ROWDOT_ISA")
-    rows = {"int8": "int16-rounded activations", "w8a8": "activations rounded to bytes per row"}.get(precision)
+    rows = {"int8": "int16-rounded activations",
+            "w8a8": "activations rounded to bytes per row (c_attn's to int16)"}.get(precision)  # fmt: skip
     q = f", int8 weights (rowdot_int8, {kernels.int8_isa()}), {rows}" if rows else ""
     info = f"jax {jax.__version__}, kernels {kernels.available()}" + (f", forced {isa}" if isa else "") + q
     return gen, info, logits

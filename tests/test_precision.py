@@ -49,6 +49,10 @@ def test_reduced_precision_logits_stay_close_to_transformers(model):
     c_fc = w8a8["h"][1]["mlp"]["c_fc"]  # int8's very weights, with each row's sum
     assert (np.asarray(c_fc["weight"]) == np.asarray(quantize_int8(params)["h"][1]["mlp"]["c_fc"]["weight"])).all()
     assert (np.asarray(c_fc["qsum"]) == np.asarray(c_fc["weight"], np.int64).sum(1)).all()
+    assert "qsum" in w8a8["h"][0]["attn"]["c_proj"] and "qsum" not in w8a8["h"][0]["attn"]["c_attn"]  # int16 rows there
+    # c_attn with byte inputs too (its row sums given): the queries' and keys' rounding moves the logits further
+    every = {**w8a8, "h": [{**h, "attn": {**h["attn"], "c_attn": {**h["attn"]["c_attn"], "qsum": h["attn"]["c_attn"]["weight"].astype(jnp.int32).sum(-1)}}} for h in w8a8["h"]]}  # fmt: skip
+    assert errors["w8a8"] < rel_err(gpt2_jax.forward(every, tokens, config), ref)
     assert not is_w8a8(with_precision(w8a8, "int8")) and with_precision(w8a8, "float32")["wte"].dtype == jnp.float32
     q = quantize_int8(params)["h"][1]["mlp"]["c_fc"]
     assert q["weight"].dtype == jnp.int8 and q["scale"].shape == (config.mlp_dim,)

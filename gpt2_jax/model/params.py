@@ -156,13 +156,13 @@ def check_tree(shapes: Any, config: GPT2Config, source: str) -> None:
     got = {dotted(p): tuple(a.shape) for p, a in jax.tree_util.tree_flatten_with_path(shapes)[0]}
     if "wte_scale" in got:  # int8 (gpt2_jax.model.precision): a float32 scale per output of each matmul weight
         want["wte_scale"] = want["wte"][:1]
-        sums = ("scale", "qsum") if "wte_qsum" in got else ("scale",)  # w8a8: each weight row's sum too
-        if "wte_qsum" in got:
+        if "wte_qsum" in got:  # w8a8: the weight rows' sums of the matmuls with byte inputs (precision.BYTE_INPUTS)
             want["wte_qsum"] = want["wte"][:1]
         if "wte_residual" in got:  # the embedding's second byte (int8 checkpoints written before it lack it)
             want["wte_residual"] = want["wte"]
-        want.update({n[: -len("weight")] + kind: s[:-1] for n, s in list(want.items()) for kind in sums
-                     if n.endswith(".weight") and n.split(".")[-2] in ("c_attn", "c_proj", "c_fc")})  # fmt: skip
+        want.update({n[: -len("weight")] + kind: s[:-1] for n, s in list(want.items()) for kind in ("scale", "qsum")
+                     if n.endswith(".weight") and n.split(".")[-2] in ("c_attn", "c_proj", "c_fc")
+                     and (kind == "scale" or ("wte_qsum" in got and n.split(".")[-2] != "c_attn"))})  # fmt: skip
     missing, unexpected = sorted(set(want) - set(got)), sorted(set(got) - set(want))
     if missing or unexpected:
         what = f"missing {_listing(missing)}" if missing else f"unexpected {_listing(unexpected)}"

@@ -12,14 +12,17 @@
             rounded to int16 by its own scale (a step of 1/65534 of its largest element, 258x finer than
             the weights'), the dot products summed exactly in integers, one rounding at the end. So a
             row's bits never depend on its batch, and a decode step reads 1 byte per weight (a quarter
-            of float32's). The embedding is q[token] * scale[token]. Elsewhere (GPU, no kernels) XLA's
-            matmul of x and q as float32, then the scales.
+            of float32's). The embedding reads a second byte of the tied wte ("wte_residual" int8 [V, D],
+            see embedding_residual): (q + r / 256)[token] * scale[token], within 1/256 of a step of the
+            float32 row; only a step's B rows are looked up, so it costs memory, never bandwidth, and the
+            head reads q alone. Elsewhere (GPU, no kernels) XLA's matmul of x and q as float32, then the
+            scales.
   w8a8      int8's weights (the same q and scales), with each matmul's input row rounded to a byte instead
-            of int16: 255 steps over the row's range (0 included) and a zero point, as ONNX Runtime's
-            dynamic int8 rounds its activations, but per row. On a CPU with AVX512-VNNI a decode step's
+            of int16 (but c_attn's: see BYTE_INPUTS): 255 steps over the row's range (0 included) and a
+            zero point, as ONNX Runtime's dynamic int8 rounds its activations, but per row. On a CPU with AVX512-VNNI a decode step's
             few rows and a prefill's many then multiply at twice the rate (gpt2_jax.kernels' a8.h and
             vnni_rows.h), for more logit error (bench/precision.py, bench/peers.py). The params hold each
-            weight row's sum too ("qsum" int32 [out] beside each "scale", "wte_qsum" [V]), which the
+            weight row's sum too ("qsum" int32 [out] beside the scales of c_proj and c_fc, "wte_qsum" [V]), which the
             kernel needs and which marks the mode; they are computed here, from q, never stored: a saved
             w8a8 checkpoint is int8's, and load(..., dtype="w8a8") adds them back.
 
@@ -49,13 +52,13 @@ def quantize(w: jax.Array) -> tuple[jax.Array, jax.Array]:
     return q, scale
 
 
-def _layers(params: Params, fn) -> Params:
-    """params with fn applied to every block matmul's {"weight", ...} (per-layer or stacked "h")."""
+def _layers(params: Params, fn, names: tuple[str, ...] = _QUANTISED) -> Params:
+    """params with fn applied to every block matmul's {"weight", ...} (per-layer or stacked "h") among names."""
 
     def layer(h: dict) -> dict:
         h = dict(h)
         for part in ("attn", "mlp"):
-            h[part] = {name: fn(p) if name in _QUANTISED else p for name, p in h[part].items()}
+            h[part] = {name: fn(p) if name in names else p for name, p in h[part].items()}
         return h
 
     h = params["h"]
@@ -89,9 +92,16 @@ def row_sums(q: jax.Array) -> jax.Array:
     return jnp.sum(q, axis=-1, dtype=jnp.int32)
 
 
+# w8a8's matmuls with byte inputs: all but c_attn, whose input (ln_1's output) becomes the queries and keys,
+# where a byte's rounding moves the attention scores and, through the softmax, the rest (on a random
+# gpt2-small, bench/peers.py's checkpoint, byte inputs to c_attn too gave 1.48e-01 logit error against
+# 1.16e-01; int8's is 1.08e-01). c_attn keeps int8's int16 rows.
+BYTE_INPUTS = ("c_proj", "c_fc")
+
+
 @jax.jit
 def _add_row_sums(params: Params) -> Params:
-    params = _layers(params, lambda p: {**p, "qsum": row_sums(p["weight"])})
+    params = _layers(params, lambda p: {**p, "qsum": row_sums(p["weight"])}, BYTE_INPUTS)
     return {**params, "wte_qsum": row_sums(params["wte"])}
 
 
