@@ -18,13 +18,14 @@
             head reads q alone. Elsewhere (GPU, no kernels) XLA's matmul of x and q as float32, then the
             scales.
   w8a8      int8's weights (the same q and scales), with each matmul's input row rounded to a byte instead
-            of int16 (but c_attn's: see BYTE_INPUTS): 255 steps over the row's range (0 included) and a
-            zero point, as ONNX Runtime's dynamic int8 rounds its activations, but per row. On a CPU with AVX512-VNNI a decode step's
-            few rows and a prefill's many then multiply at twice the rate (gpt2_jax.kernels' a8.h and
-            vnni_rows.h), for more logit error (bench/precision.py, bench/peers.py). The params hold each
-            weight row's sum too ("qsum" int32 [out] beside the scales of c_proj and c_fc, "wte_qsum" [V]), which the
-            kernel needs and which marks the mode; they are computed here, from q, never stored: a saved
-            w8a8 checkpoint is int8's, and load(..., dtype="w8a8") adds them back.
+            of int16 (but c_attn's: see params.BYTE_INPUTS): 255 steps over the row's range (0 included)
+            and a zero point, as ONNX Runtime's dynamic int8 rounds its activations, but per row. On a CPU
+            with AVX512-VNNI a decode step's few rows and a prefill's many then multiply at twice the rate
+            (gpt2_jax.kernels' a8.h and vnni_rows.h), for more logit error (bench/precision.py,
+            bench/peers.py). The params hold each weight row's sum too ("qsum" int32 [out] beside the
+            scales of c_proj and c_fc, "wte_qsum" [V]), which the kernel needs and which marks the mode;
+            they are computed here, from q, never stored: a saved w8a8 checkpoint is int8's, and
+            load(..., dtype="w8a8") adds them back.
 
 bench/precision.py measures each mode's logit error against float32 (the table is in README.md), and
 bench/peers.py int8 speed and error against other engines' int8. int8 params are for inference only:
@@ -37,10 +38,9 @@ import jax
 import jax.numpy as jnp
 
 from gpt2_jax.errors import ConfigError
-from gpt2_jax.model.params import Params, cast_params, is_int8, is_w8a8
+from gpt2_jax.model.params import BYTE_INPUTS, QUANTIZED, Params, cast_params, is_int8, is_w8a8
 
 MODES = ("float32", "bfloat16", "int8", "w8a8")
-_QUANTISED = ("c_attn", "c_proj", "c_fc")
 
 
 def quantize(w: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -52,7 +52,7 @@ def quantize(w: jax.Array) -> tuple[jax.Array, jax.Array]:
     return q, scale
 
 
-def _layers(params: Params, fn, names: tuple[str, ...] = _QUANTISED) -> Params:
+def _layers(params: Params, fn, names: tuple[str, ...] = QUANTIZED) -> Params:
     """params with fn applied to every block matmul's {"weight", ...} (per-layer or stacked "h") among names."""
 
     def layer(h: dict) -> dict:
@@ -90,13 +90,6 @@ def quantize_int8(params: Params) -> Params:
 def row_sums(q: jax.Array) -> jax.Array:
     """q int8 [..., out, in] -> each row's sum, int32 [..., out] (w8a8's qsum)."""
     return jnp.sum(q, axis=-1, dtype=jnp.int32)
-
-
-# w8a8's matmuls with byte inputs: all but c_attn, whose input (ln_1's output) becomes the queries and keys,
-# where a byte's rounding moves the attention scores and, through a sharp softmax, the rest (on a random
-# gpt2-small, bench/peers.py's checkpoint, byte inputs to c_attn too gave 1.48e-01 logit error against
-# 1.16e-01; int8's is 1.08e-01; on the trained bundled model no difference). c_attn keeps int8's int16 rows.
-BYTE_INPUTS = ("c_proj", "c_fc")
 
 
 @jax.jit

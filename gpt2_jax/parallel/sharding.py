@@ -36,7 +36,7 @@ from gpt2_jax.model.params import Params
 # so stacked [L, ...] and per-layer leaves share the rule). int8 "scale" (and w8a8's "qsum") follows its
 # output axis.
 _MODEL_AXIS = {
-    ("c_attn", "weight"): -2, ("c_attn", "bias"): -1, ("c_attn", "scale"): -1, ("c_attn", "qsum"): -1,
+    ("c_attn", "weight"): -2, ("c_attn", "bias"): -1, ("c_attn", "scale"): -1,
     ("c_fc", "weight"): -2, ("c_fc", "bias"): -1, ("c_fc", "scale"): -1, ("c_fc", "qsum"): -1,
     ("c_proj", "weight"): -1,
 }  # fmt: skip
