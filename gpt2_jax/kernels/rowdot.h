@@ -100,17 +100,23 @@ template <int MR, int NR>
 __attribute__((target("avx2,fma"))) inline void Step256(const float* const* x, const float* const* w,
                                                         int64_t at, __m256 (&lo)[MR][NR], __m256 (&hi)[MR][NR],
                                                         int64_t ahead) {
-  __m256 wl[NR], wh[NR];
+  // Lanes 0-7 first, then lanes 8-15, so that besides the 2 x MR x NR accumulators only NR w vectors and one
+  // x vector are live: a 2 x 3 tile fits AVX2's 16 registers (12 + 3 + 1). Loading both halves first (6 w, 2 x)
+  // spilled accumulators to the stack: 8 rows 68 -> 84 GFLOP/s, 512 rows 81 -> 99 (2-core AMD EPYC, forced
+  // avx2, 2026-12-05). Each accumulator takes the same multiply-adds in the same order either way.
+  __m256 wv[NR];
   for (int j = 0; j < NR; ++j) {
     if (ahead) _mm_prefetch(reinterpret_cast<const char*>(w[j] + ahead + at), _MM_HINT_T1);
-    wl[j] = _mm256_loadu_ps(w[j] + at), wh[j] = _mm256_loadu_ps(w[j] + at + 8);
+    wv[j] = _mm256_loadu_ps(w[j] + at);
   }
   for (int i = 0; i < MR; ++i) {
-    __m256 xl = _mm256_loadu_ps(x[i] + at), xh = _mm256_loadu_ps(x[i] + at + 8);
-    for (int j = 0; j < NR; ++j) {
-      lo[i][j] = _mm256_fmadd_ps(xl, wl[j], lo[i][j]);
-      hi[i][j] = _mm256_fmadd_ps(xh, wh[j], hi[i][j]);
-    }
+    __m256 xv = _mm256_loadu_ps(x[i] + at);
+    for (int j = 0; j < NR; ++j) lo[i][j] = _mm256_fmadd_ps(xv, wv[j], lo[i][j]);
+  }
+  for (int j = 0; j < NR; ++j) wv[j] = _mm256_loadu_ps(w[j] + at + 8);
+  for (int i = 0; i < MR; ++i) {
+    __m256 xv = _mm256_loadu_ps(x[i] + at + 8);
+    for (int j = 0; j < NR; ++j) hi[i][j] = _mm256_fmadd_ps(xv, wv[j], hi[i][j]);
   }
 }
 
