@@ -15,8 +15,9 @@ so constrained rows are timed over the same steps as plain ones. Timing generate
 max_new_tokens instead would stop the loop once every row is done, which constrained rows are within a
 few tokens. The loop's own step is cross-checked: "plain, generate's loop" is (time of generate with 128
 new tokens - time with 80) / 48, each the faster of two runs taken in turns, both in one shape bucket
-(one compiled program, the same cache), so the prefill and host work cancel. Stop strings run generate's host-checked chunked path (16-step jitted
-chunks, the stop matcher between them), so that row can only be timed that way, and its ratio is to
+(one compiled program, the same cache), so the prefill and host work cancel. Stop strings run generate's
+host-checked chunked path (16-step jitted chunks, the stop matcher between them), so that row can only be
+timed that way, and its ratio is to
 plain timed the same way; the steps counted are the loop's (the longest row's tokens), so an early stop
 cannot skew it.
 

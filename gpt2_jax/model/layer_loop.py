@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-_MATMULS = ("c_attn", "c_proj", "c_fc")
+from gpt2_jax.model.params import MATMULS
 
 
 class PerLayer(NamedTuple):
@@ -50,7 +50,7 @@ def take(w: Any) -> jax.Array:
 
 def _is_matmul(path) -> bool:
     names = [getattr(k, "key", None) for k in path]
-    return names[-1] == "weight" and names[-2] in _MATMULS
+    return names[-1] == "weight" and names[-2] in MATMULS
 
 
 def scan_layers(h: Any) -> Any:

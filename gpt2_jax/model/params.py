@@ -148,12 +148,13 @@ def dotted(path) -> str:
     return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
-# The block matmuls int8 quantizes (gpt2_jax.model.precision), and those of them whose input rows w8a8 rounds
-# to bytes: all but c_attn, whose input (ln_1's output) becomes the queries and keys, where a byte's rounding
+# The block's matmuls, each a "weight" [out, in]: the per-layer buffers the layer loop reads in place
+# (gpt2_jax.model.layer_loop), the weights training decays and int8 quantizes (gpt2_jax.model.precision); and
+# those of them whose input rows w8a8 rounds to bytes: all but c_attn, whose input (ln_1's output) becomes the queries and keys, where a byte's rounding
 # moves the attention scores and, through a sharp softmax, the rest (on a random gpt2-small, bench/peers.py's
 # checkpoint, byte inputs to c_attn too gave 1.48e-01 logit error against 1.16e-01; int8's is 1.08e-01; on the
 # trained bundled model no difference). c_attn keeps int8's int16 rows.
-QUANTIZED = ("c_attn", "c_proj", "c_fc")
+MATMULS = ("c_attn", "c_proj", "c_fc")
 BYTE_INPUTS = ("c_proj", "c_fc")
 
 
@@ -169,7 +170,7 @@ def check_tree(shapes: Any, config: GPT2Config, source: str) -> None:
             want["wte_qsum"] = want["wte"][:1]
         if "wte_residual" in got:  # the embedding's second byte (int8 checkpoints written before it lack it)
             want["wte_residual"] = want["wte"]
-        kinds = {m: ("scale", "qsum") if "wte_qsum" in got and m in BYTE_INPUTS else ("scale",) for m in QUANTIZED}
+        kinds = {m: ("scale", "qsum") if "wte_qsum" in got and m in BYTE_INPUTS else ("scale",) for m in MATMULS}
         want.update({n[: -len("weight")] + kind: s[:-1] for n, s in list(want.items())
                      if n.endswith(".weight") and n.split(".")[-2] in kinds for kind in kinds[n.split(".")[-2]]})  # fmt: skip
     missing, unexpected = sorted(set(want) - set(got)), sorted(set(got) - set(want))

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from gpt2_jax.errors import ConfigError
-from gpt2_jax.model.params import BYTE_INPUTS, QUANTIZED, Params, cast_params, is_int8, is_w8a8
+from gpt2_jax.model.params import BYTE_INPUTS, MATMULS, Params, cast_params, is_int8, is_w8a8
 
 MODES = ("float32", "bfloat16", "int8", "w8a8")
 
@@ -52,7 +52,7 @@ def quantize(w: jax.Array) -> tuple[jax.Array, jax.Array]:
     return q, scale
 
 
-def _layers(params: Params, fn, names: tuple[str, ...] = QUANTIZED) -> Params:
+def _layers(params: Params, fn, names: tuple[str, ...] = MATMULS) -> Params:
     """params with fn applied to every block matmul's {"weight", ...} (per-layer or stacked "h") among names."""
 
     def layer(h: dict) -> dict:

@@ -20,10 +20,8 @@ from gpt2_jax.errors import ConfigError
 from gpt2_jax.model.axes import constrain, mesh_of, on_mesh
 from gpt2_jax.model.gpt2 import trunk
 from gpt2_jax.model.layers import layer_norm
-from gpt2_jax.model.params import Params, stack_layers
+from gpt2_jax.model.params import MATMULS, Params, stack_layers
 from gpt2_jax.training.loss_head import head_loss
-
-_DECAYED = ("c_attn", "c_proj", "c_fc")
 
 
 class TrainState(NamedTuple):
@@ -85,7 +83,7 @@ def decay_mask(params: Params) -> Params:
 
     def decayed(path, _):
         names = [k.key if isinstance(k, DictKey) else k.idx for k in path if isinstance(k, (DictKey, SequenceKey))]
-        return names == ["wte"] or (names[-1] == "weight" and any(n in _DECAYED for n in names))
+        return names == ["wte"] or (names[-1] == "weight" and any(n in MATMULS for n in names))
 
     return jax.tree_util.tree_map_with_path(decayed, params)
 
