@@ -22,6 +22,7 @@ setup(
                 "gpt2_jax/kernels/rowdot.h",
                 "gpt2_jax/kernels/chain.h",
                 "gpt2_jax/kernels/int8.h",
+                "gpt2_jax/kernels/packed.h",
                 "gpt2_jax/kernels/a8.h",
                 "gpt2_jax/kernels/amx.h",
                 "gpt2_jax/kernels/vnni_rows.h",

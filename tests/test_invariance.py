@@ -210,3 +210,24 @@ def test_int8_rows_keep_their_bits_in_any_batch_and_equal_a_full_forward(model, 
     fp32 = batch_runs["sampled"]
     assert (bits(batch.logprobs) != bits(fp32.logprobs)).any()  # int8's arithmetic, not float32's
     assert q["h"][0]["mlp"]["c_fc"]["weight"].dtype == jnp.int8 and q["wte"].dtype == jnp.int8
+
+
+def test_packed_float32_generates_float32s_bits_at_any_batch(model, batch_runs):
+    """float32-packed params (gpt2_jax.model.precision: float32 weights in 3.5 bytes each) generate float32's very
+    tokens and logprobs: the batch of 4 (its weights decoded into rowdot's tiles) and a row alone (B=1: decoded in
+    registers) both equal the float32 batch's bits, and so a full float32 forward's (the tests above)."""
+    from gpt2_jax.model.precision import with_precision
+
+    _, params, config = model
+    packed = with_precision(params, "float32-packed")
+    assert gpt2_jax.model.param_bytes(packed) < 0.9 * gpt2_jax.model.param_bytes(params)
+    keys = jax.random.split(jax.random.key(11), len(PROMPTS))
+    kw = dict(max_new_tokens=N, eos_id=None, return_logprobs=True, **SETTINGS["sampled"])
+    fp32 = batch_runs["sampled"]
+    batch = generate(packed, config, PROMPTS, keys, **kw)
+    np.testing.assert_array_equal(batch.tokens, fp32.tokens)
+    np.testing.assert_array_equal(bits(batch.logprobs), bits(fp32.logprobs))
+    for b in (0, 2):
+        alone = generate(packed, config, [PROMPTS[b]], keys[b][None], **kw)
+        np.testing.assert_array_equal(alone.tokens[0], fp32.tokens[b])
+        np.testing.assert_array_equal(bits(alone.logprobs[0]), bits(fp32.logprobs[b]))

@@ -31,7 +31,9 @@ def resolve_dtype(dtype: Any) -> Any:
         return None
     name = jnp.dtype(dtype).name if not isinstance(dtype, str) else dtype
     if name not in ("float32", "bfloat16", "int8"):
-        also = "" if name != "w8a8" else " (w8a8 is int8's weights, chosen when loading: load(..., dtype='w8a8'))"
+        also = {"w8a8": " (w8a8 is int8's weights, chosen when loading: load(..., dtype='w8a8'))",
+                "float32-packed": " (float32-packed is chosen when loading: load(..., dtype='float32-packed'))"
+                }.get(name, "")  # fmt: skip
         raise ConfigError(f"dtype {dtype!r} is not supported; use float32, bfloat16 or int8{also}")
     return jnp.dtype(name)
 
@@ -93,15 +95,21 @@ def load(
     for every path; see gpt2_jax.model.params). A gpt2-jax train --out directory loads its model/.
     dtype: keep the stored one (None), float32, bfloat16 or int8 (weight-only, gpt2_jax.model.precision:
     quantized on loading, or kept where convert --dtype int8 stored it so), or w8a8 (int8's weights, so
-    loaded as int8, and the 8-bit activation rows its matmuls take: see gpt2_jax.model.precision). mesh (gpt2_jax.parallel.sharding.make_mesh): lay the params out on it, each device receiving only its shards.
+    loaded as int8, and the 8-bit activation rows its matmuls take: see gpt2_jax.model.precision), or
+    float32-packed (float32's values in 3.5 bytes a weight, packed on loading; per-layer, no mesh). mesh (gpt2_jax.parallel.sharding.make_mesh): lay the params out on it, each device receiving only its shards.
     Tensors stream from the memory-mapped file into their final buffers (cast on the way), so the
     peak memory is about the weights once. progress: a tqdm bar (bytes) on stderr for loads over 2 s.
     stacked=True: block leaves stacked on L instead (the form checkpoints store; convert writes it)."""
     path = Path(path)
     w8a8 = isinstance(dtype, str) and dtype == "w8a8"
-    dtype = resolve_dtype("int8" if w8a8 else dtype)
+    packed = isinstance(dtype, str) and dtype == "float32-packed"
+    if packed and (mesh is not None or stacked):
+        raise ConfigError("float32-packed params are per-layer and on one device: drop mesh= / stacked=")
+    dtype = resolve_dtype("int8" if w8a8 else "float32" if packed else dtype)
     params, config = _load(path, dtype, config, mesh, progress, stacked)
     params = in_precision(params, config, dtype, mesh)
+    if packed:
+        params = precision.pack_params(params)
     if w8a8:  # int8's params with each weight row's sum
         params = precision.quantize_w8a8(params)
         params = shard_params(params, config, mesh) if mesh is not None else params

@@ -47,10 +47,11 @@ def serve_parser(serve: argparse.ArgumentParser, cache_arg) -> None:
     )
     add(
         "--dtype",
-        choices=["float32", "bfloat16", "int8", "w8a8"],
+        choices=["float32", "float32-packed", "bfloat16", "int8", "w8a8"],
         default=None,
         help="the weights' precision (default on a CPU: float32, whatever the checkpoint stores, since it is "
-        "exact and fast there; elsewhere the stored dtype); int8 = weight-only int8 blocks; w8a8 = the same "
+        "exact and fast there; elsewhere the stored dtype); float32-packed = float32's exact values in 3.5 bytes "
+        "a weight; int8 = weight-only int8 blocks; w8a8 = the same "
         "weights with 8-bit matmul inputs (faster at a few rows on AVX512-VNNI, less exact)",
     )
     add("--mesh", help="run sharded over a device mesh, e.g. model=2 (see gpt2_jax.parallel.sharding)")

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <thread>
 
@@ -24,6 +25,7 @@
 
 #include "chain.h"
 #include "int8.h"
+#include "packed.h"
 #include "rowdot.h"
 #include "softmax.h"
 #include "xla/ffi/api/ffi.h"
@@ -199,6 +201,49 @@ ffi::Error RowDotW8A8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   return Quantized(pool, x, w, scale, &qsum, y->typed_data());
 }
 
+// rowdot over float32 weights packed losslessly (packed.h): x [..., M, K], w uint8 [N, K / 16 x 56], lut [16],
+// esc_off [N + 1], esc [E] -> y [..., M, N], bit for bit rowdot's y over the unpacked weights.
+ffi::Error RowDotPackedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                            ffi::Buffer<ffi::S32> lut, ffi::Buffer<ffi::S32> esc_off, ffi::Buffer<ffi::S32> esc,
+                            ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() < 2 || wd.size() < 2 || xd[xd.size() - 1] % packed::kGroup != 0 ||
+      wd[wd.size() - 1] != packed::RowBytes(xd[xd.size() - 1]) || Product(wd.begin(), wd.size() - 2) != 1)
+    return ffi::Error::InvalidArgument("rowdot_packed: x [..., M, K] (K a multiple of 16) and w [N, K / 16 x 56]");
+  const int64_t N = wd[wd.size() - 2], K = xd[xd.size() - 1], M = Product(xd.begin(), xd.size() - 1);
+  if (lut.element_count() != 16 || static_cast<int64_t>(esc_off.element_count()) != N + 1 ||
+      esc_off.typed_data()[N] > static_cast<int64_t>(esc.element_count()))
+    return ffi::Error::InvalidArgument("rowdot_packed: lut [16], esc_off [N + 1] and esc [esc_off[N]]");
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  Problem p{x.typed_data(), nullptr, y->typed_data(), M, N, K};
+  const packed::Weights pw{w.typed_data(), lut.typed_data(), esc_off.typed_data(), esc.typed_data()};
+  const int64_t rb = rowdot::RowBlocks(p);
+  Parallel(pool, rowdot::Items(p), [&](int64_t i) { packed::Item(p, pw, rb, i); });
+  return ffi::Error::Success();
+}
+
+// Rows ids [n] of a packed w (above) -> y [n, K] float32 (the tied embedding's rows); an id outside [0, N) gives NaNs.
+ffi::Error PackedRowsImpl(ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S32> lut, ffi::Buffer<ffi::S32> esc_off,
+                          ffi::Buffer<ffi::S32> esc, ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::F32> y) {
+  auto wd = w.dimensions(), yd = y->dimensions();
+  if (wd.size() < 2 || yd.size() < 1 || Product(wd.begin(), wd.size() - 2) != 1)
+    return ffi::Error::InvalidArgument("packed_rows: w [N, K / 16 x 56]");
+  const int64_t N = wd[wd.size() - 2], K = yd[yd.size() - 1], n = static_cast<int64_t>(ids.element_count());
+  if (K % packed::kGroup != 0 || wd[wd.size() - 1] != packed::RowBytes(K) ||
+      static_cast<int64_t>(esc_off.element_count()) != N + 1 || lut.element_count() != 16)
+    return ffi::Error::InvalidArgument("packed_rows: w [N, K / 16 x 56], lut [16], esc_off [N + 1] -> y [n, K]");
+  const packed::Weights pw{w.typed_data(), lut.typed_data(), esc_off.typed_data(), esc.typed_data()};
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t id = ids.typed_data()[i];
+    float* row = y->typed_data() + i * K;
+    if (id < 0 || id >= N)
+      std::fill(row, row + K, std::numeric_limits<float>::quiet_NaN());
+    else
+      packed::Row(pw, id, K, row);
+  }
+  return ffi::Error::Success();
+}
+
 // Entry `index` of a stacked [L, ...] w (a layer of the KV cache), read where it lies: slicing it out
 // first would copy it. The index is clamped into [0, L), as XLA's slicing does. -> the entry's data; its
 // dims are sd[1:].
@@ -365,6 +410,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GPT2JaxRowDotInt8, RowDotInt8Impl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GPT2JaxRowDotW8A8, RowDotW8A8Impl,
                               ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GPT2JaxRowDotPacked, RowDotPackedImpl,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GPT2JaxPackedRows, PackedRowsImpl,
+                              ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::U8>>().Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::Buffer<ffi::F32>>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GPT2JaxRowDotAt, RowDotAtImpl, AtBinding().Ret<ffi::Buffer<ffi::F32>>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GPT2JaxRowDotEnds, EndsImpl<false>,
                               DotBinding().Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::Buffer<ffi::F32>>().Attr<int32_t>("mode"));
@@ -402,6 +454,8 @@ static PyMethodDef kMethods[] = {
     {"handler", Capsule<GPT2JaxRowDot>, METH_NOARGS, "The XLA FFI handler, as a capsule for jax.ffi.register_ffi_target."},
     {"handler_int8", Capsule<GPT2JaxRowDotInt8>, METH_NOARGS, "rowdot over int8 weights with a float32 scale per output."},
     {"handler_w8a8", Capsule<GPT2JaxRowDotW8A8>, METH_NOARGS, "handler_int8 with x's rows rounded to 8 bits (a8.h)."},
+    {"handler_packed", Capsule<GPT2JaxRowDotPacked>, METH_NOARGS, "rowdot over losslessly packed float32 weights (packed.h)."},
+    {"handler_packed_rows", Capsule<GPT2JaxPackedRows>, METH_NOARGS, "Rows of a packed weight as float32 (packed.h)."},
     {"handler_at", Capsule<GPT2JaxRowDotAt>, METH_NOARGS, "The handler of the variant reading one entry of a stacked w."},
     {"handler_ends", Capsule<GPT2JaxRowDotEnds>, METH_NOARGS, "The handler taking per-row ends (see rowdot::Ends)."},
     {"handler_at_ends", Capsule<GPT2JaxRowDotAtEnds>, METH_NOARGS, "handler_at taking per-row ends."},

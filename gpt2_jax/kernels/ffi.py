@@ -28,7 +28,8 @@ if _cpu is not None and _cpu.usable() and not _DISABLED:
                               ("_at_ends", _cpu.handler_at_ends), ("_chain", _cpu.handler_chain),
                               ("_chain_at", _cpu.handler_chain_at), ("_chain_paged", _cpu.handler_chain_paged),
                               ("_cumsum", _cpu.handler_cumsum), ("_argmax", _cpu.handler_argmax),
-                              ("_softmax", _cpu.handler_softmax)):  # fmt: skip
+                              ("_softmax", _cpu.handler_softmax), ("_packed", _cpu.handler_packed),
+                              ("_packed_rows", _cpu.handler_packed_rows)):  # fmt: skip
         jax.ffi.register_ffi_target(TARGET + _suffix, _handler(), platform="cpu")
     _REGISTERED = True
 

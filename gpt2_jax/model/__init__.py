@@ -27,6 +27,7 @@ from gpt2_jax.model.params import (
     float_dtype,
     init_params,
     is_int8,
+    is_packed,
     is_w8a8,
     param_bytes,
     stack_layers,
@@ -36,6 +37,6 @@ from gpt2_jax.model.params import (
 __all__ = [
     "KEY_BLOCK", "NULL_BLOCK", "CacheView", "KVCache", "PagedKVCache", "PagedView", "Params", "apply",
     "cache_bytes", "cast_params", "check_tokens", "constrain", "data_size", "embed", "float_dtype", "forward",
-    "forward_cached", "init_cache", "init_params", "init_pool", "is_int8", "is_w8a8", "mesh_of", "on_mesh", "param_bytes",
+    "forward_cached", "init_cache", "init_params", "init_pool", "is_int8", "is_packed", "is_w8a8", "mesh_of", "on_mesh", "param_bytes",
     "pool_bytes", "precision", "replicate", "run_blocks", "stack_layers", "trunk", "unembed", "unstack_layers",
 ]  # fmt: skip

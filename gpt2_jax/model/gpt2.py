@@ -10,11 +10,12 @@ import numpy as np
 
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import InputError
+from gpt2_jax.kernels import packed_rows
 from gpt2_jax.model.axes import constrain, mesh_of, on_mesh
 from gpt2_jax.model.kv_cache import CacheView, KVCache
 from gpt2_jax.model.layer_loop import layer_at, n_layers, scan_layers
 from gpt2_jax.model.layers import F32, block, dropout, int8_matmul, layer_norm, matmul, within
-from gpt2_jax.model.params import Params, is_int8
+from gpt2_jax.model.params import Params, is_int8, is_packed
 
 
 def embed(params: Params, tokens: jax.Array, positions: jax.Array, tap=None) -> jax.Array:
@@ -23,7 +24,10 @@ def embed(params: Params, tokens: jax.Array, positions: jax.Array, tap=None) -> 
 
     Out-of-range ids give NaN rather than a silently clamped row, so bad input never
     turns into plausible-looking logits inside a jit where it cannot raise."""
-    tok = jnp.take(params["wte"], tokens, axis=0, mode="fill", fill_value=jnp.nan if not is_int8(params) else 0)
+    if is_packed(params):  # float32-packed (gpt2_jax.model.precision): the rows unpacked, NaN for a bad id
+        tok = packed_rows(params["wte"], tokens)
+    else:
+        tok = jnp.take(params["wte"], tokens, axis=0, mode="fill", fill_value=jnp.nan if not is_int8(params) else 0)
     if is_int8(params):  # int8 rows (gpt2_jax.model.precision) times their scales; a bad id's scale is NaN
         tok = tok.astype(F32)
         if "wte_residual" in params:  # the embedding's second byte: q + r / 256 (exact in float32), then the scale

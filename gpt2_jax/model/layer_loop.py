@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from gpt2_jax.kernels import Packed
 from gpt2_jax.model.params import MATMULS
 
 
@@ -62,7 +63,7 @@ def scan_layers(h: Any) -> Any:
     def gather(path, *layers):
         return tuple(layers) if _is_matmul(path) else jnp.stack(layers)
 
-    return jax.tree_util.tree_map_with_path(gather, h[0], *h[1:])
+    return jax.tree_util.tree_map_with_path(gather, h[0], *h[1:], is_leaf=lambda x: isinstance(x, Packed))
 
 
 def layer_at(layers: Any, i: jax.Array) -> dict:

@@ -87,6 +87,8 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     two rows also round differently from three or more, while 3 to 2048 rows all agree). On a mesh, c_attn's split heads axis (under the unsplit q|k|v axis) cannot
     merge without gathering the weight, so w is contracted as it lies; sharded results equal one
     device's to 1e-5, not bitwise, anyway."""
+    if isinstance(w, kernels.Packed):  # float32-packed (gpt2_jax.model.precision): rowdot's bits, fewer bytes
+        return kernels.rowdot_packed(x.astype(F32), w)
     lead, out = x.shape[:-1], w.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     M = x2.shape[0]

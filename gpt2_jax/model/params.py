@@ -44,6 +44,7 @@ import numpy as np
 
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import CheckpointError, ConfigError
+from gpt2_jax.kernels import Packed, packed_rows
 
 Params = dict[str, Any]
 
@@ -224,6 +225,9 @@ def init_params(key: jax.Array, config: GPT2Config, dtype: Any = jnp.float32, *,
 def cast_params(params: Params, dtype: Any) -> Params:
     """Every leaf cast to dtype (float32 or bfloat16). Not for int8 params, whose int8 leaves would lose
     their scales: gpt2_jax.model.precision.with_precision takes those."""
+    if is_packed(params):
+        raise ConfigError("these params are float32-packed (gpt2_jax.model.precision); cast them with "
+                          "precision.with_precision(params, 'float32' or 'bfloat16'), which unpacks first")  # fmt: skip
     if is_int8(params):
         raise ConfigError("these params are int8 (gpt2_jax.model.precision); cast them with "
                           "precision.with_precision(params, 'float32' or 'bfloat16'), which dequantizes first")  # fmt: skip
@@ -236,6 +240,11 @@ def is_int8(params: Params) -> bool:
     return "wte_scale" in params
 
 
+def is_packed(params: Params) -> bool:
+    """Whether params are gpt2_jax.model.precision's float32-packed params (wte and the block matmuls Packed)."""
+    return isinstance(params["wte"], Packed)
+
+
 def is_w8a8(params: Params) -> bool:
     """Whether params are gpt2_jax.model.precision's w8a8 params (int8's with the weight rows' sums)."""
     return "wte_qsum" in params
@@ -243,6 +252,8 @@ def is_w8a8(params: Params) -> bool:
 
 def wte_rows(params: Params, ids: jax.Array) -> jax.Array:
     """ids [...] -> their rows of the tied embedding [..., D] float32 (an int8 wte's times their scales)."""
+    if is_packed(params):
+        return packed_rows(params["wte"], ids)
     rows = params["wte"][ids].astype(jnp.float32)
     return rows * params["wte_scale"][ids][..., None] if is_int8(params) else rows
 
@@ -277,6 +288,9 @@ def unstack_layers(params: Params) -> Params:
 
 def stack_layers(params: Params) -> Params:
     """The inverse of unstack_layers: "h" leaves stacked on a leading L axis (the checkpoint form)."""
+    if is_packed(params):
+        raise ConfigError("float32-packed params are for inference only (gpt2_jax.model.precision): unpack them with "
+                          "precision.with_precision(params, 'float32') to train or save them")  # fmt: skip
     if not isinstance(params["h"], (list, tuple)):
         return params
     return {**params, "h": jax.tree.map(lambda *a: jnp.stack(a), *params["h"])}

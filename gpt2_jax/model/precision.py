@@ -1,6 +1,15 @@
-"""Precision modes for inference: float32, bfloat16, and int8 weight-only quantisation.
+"""Precision modes for inference: float32 (plain or packed), bfloat16, and int8 weight-only quantisation.
 
   float32   everything in float32.
+  float32-packed
+            float32, bit for bit, with the tied wte and the blocks' c_attn, c_proj and c_fc held in 3.5 bytes a
+            weight instead of 4 (gpt2_jax.kernels.Packed, lossless: each weight's sign and mantissa, and a 4-bit
+            code for its exponent, the rare exponent outside a matrix's 15 most common listed beside it). On a
+            CPU the kernels decode them in registers and run rowdot's multiply-adds, so logits, tokens and
+            logprobs equal float32's bit for bit at any batch, while a decode step reads 12.5% fewer bytes
+            (bench/peers.py: B=1 is bound by the memory's speed). Elsewhere they are unpacked for XLA's matmul.
+            Per-layer params only (load()'s form); for inference: to train or save, unpack with
+            with_precision(params, "float32").
   bfloat16  weights, matmul inputs and the KV cache in bfloat16; matmuls accumulate in float32, and the
             residual stream, LayerNorm, softmax and logits stay float32 (see gpt2_jax.model.layers).
   int8      float32, but every matmul weight is int8 with one float32 scale per output: the blocks'
@@ -38,9 +47,10 @@ import jax
 import jax.numpy as jnp
 
 from gpt2_jax.errors import ConfigError
-from gpt2_jax.model.params import BYTE_INPUTS, MATMULS, Params, cast_params, is_int8, is_w8a8
+from gpt2_jax.kernels import pack, unpack
+from gpt2_jax.model.params import BYTE_INPUTS, MATMULS, Params, cast_params, is_int8, is_packed, is_w8a8
 
-MODES = ("float32", "bfloat16", "int8", "w8a8")
+MODES = ("float32", "float32-packed", "bfloat16", "int8", "w8a8")
 
 
 def quantize(w: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -129,10 +139,31 @@ def dequantize(params: Params) -> Params:
     return _dequantize(drop_row_sums(params)) if is_int8(params) else params
 
 
+def pack_params(params: Params) -> Params:
+    """float32 params (per-layer, load()'s form) -> float32-packed params: wte and the block matmuls' weights
+    packed (gpt2_jax.kernels.pack), everything else as it is. float32-packed params as they are."""
+    if is_packed(params):
+        return params
+    if not isinstance(params["h"], (list, tuple)):
+        raise ConfigError("float32-packed needs per-layer params (load()'s form, or unstack_layers(params))")
+    params = cast_params(dequantize(params), jnp.float32)
+    return {**_layers(params, lambda p: {**p, "weight": pack(p["weight"])}), "wte": pack(params["wte"])}
+
+
+def unpack_params(params: Params) -> Params:
+    """float32-packed params -> the float32 params they hold (bit for bit); other params as they are."""
+    if not is_packed(params):
+        return params
+    return {**_layers(params, lambda p: {**p, "weight": unpack(p["weight"])}), "wte": unpack(params["wte"])}
+
+
 def with_precision(params: Params, mode: str) -> Params:
-    """params in one of MODES (see the module docstring), from float, int8 or w8a8 params."""
+    """params in one of MODES (see the module docstring), from float, float32-packed, int8 or w8a8 params."""
     if mode not in MODES:
         raise ConfigError(f"precision {mode!r} is not one of {', '.join(MODES)}")
+    if mode == "float32-packed":
+        return pack_params(params)
+    params = unpack_params(params)
     if mode == "int8":
         return quantize_int8(params)
     if mode == "w8a8":

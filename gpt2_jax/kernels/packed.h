@@ -1,0 +1,254 @@
+// rowdot over float32 weights stored losslessly in 3.5 bytes each (gpt2_jax.model.precision's "float32-packed"):
+// the same multiply-adds on the same float32 values as rowdot.h, so the same bits, from 12.5% fewer bytes.
+//
+// Why: a decode step at B=1 reads every weight once and does one multiply-add with it, so it runs at the memory's
+// speed; every fp32 engine reads the same 500 MB of gpt2-small and they finish level (bench/peers.py). A float32's
+// 8 exponent bits carry about 3 bits of information in trained and random weights alike (N(0, 0.02): 15 exponents
+// cover all but ~1.5e-4 of them), so each weight keeps its sign and 23 mantissa bits (3 bytes) and a 4-bit code for
+// its exponent; the rare exponent outside a matrix's 15 most common is an escape listed beside the rows.
+//
+// Layout of a weight w [N, K] (K a multiple of 16), each row K / 16 groups of 56 bytes, rows one after another:
+//   bytes 3i .. 3i+2 (i < 16)  float i's bits 0-22 (its mantissa) with its sign as bit 23, little-endian
+//   bytes 48 .. 55             the exponent codes: byte 48 + i holds float i's (low nibble), float i + 8's (high)
+//   lut [16]                   code c's exponent, shifted into place (e << 23); code 15 is the escape (lut 0)
+//   esc, esc_off [N + 1]       row n's escapes, esc[esc_off[n] .. esc_off[n + 1]): k << 8 | e, k ascending
+// The float is (low & 0x7FFFFF) | (low & 0x800000) << 8 | lut[code], patched with e << 23 at an escape.
+// (No XLA, no Python here: a plain C++ program can time it.)
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "rowdot.h"
+
+namespace packed {
+
+constexpr int64_t kGroup = 16;       // floats per group
+constexpr int64_t kGroupBytes = 56;  // their bytes
+constexpr int64_t kAhead = 4096;     // bytes ahead of the one-row pass that it prefetches (measured: 3.5-4 KB best)
+
+struct Weights {
+  const uint8_t* data;     // [N, K / 16 x 56]
+  const int32_t* lut;      // [16]
+  const int32_t* esc_off;  // [N + 1]
+  const int32_t* esc;      // [esc_off[N]]
+};
+
+inline int64_t RowBytes(int64_t K) { return K / kGroup * kGroupBytes; }
+
+// Row n's escapes written into its decoded floats.
+inline void Patch(const Weights& w, int64_t n, float* row) {
+  for (int32_t i = w.esc_off[n]; i < w.esc_off[n + 1]; ++i) {
+    const int32_t e = w.esc[i];
+    uint32_t bits;
+    std::memcpy(&bits, row + (e >> 8), 4);
+    bits = (bits & ~0x7F800000u) | (static_cast<uint32_t>(e & 0xFF) << 23);
+    std::memcpy(row + (e >> 8), &bits, 4);
+  }
+}
+
+// ------------------------------------------------------------------------------ AVX-512 (with VBMI's vpermb)
+
+struct Consts512 {
+  __m512i lut, spread, shift, mantissa, sign;
+};
+
+__attribute__((target("avx512f,avx512bw,avx512vbmi"))) inline Consts512 Make512(const int32_t* lut) {
+  Consts512 c;
+  c.lut = _mm512_loadu_si512(lut);
+  alignas(64) uint8_t spread[64];  // dword i takes bytes 3i .. 3i+2 (its 4th byte is zeroed by the mask)
+  for (int i = 0; i < 16; ++i) spread[4 * i] = 3 * i, spread[4 * i + 1] = 3 * i + 1, spread[4 * i + 2] = 3 * i + 2, spread[4 * i + 3] = 0;
+  c.spread = _mm512_load_si512(spread);
+  c.shift = _mm512_set_epi32(4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0);  // floats 8-15: the high nibble
+  c.mantissa = _mm512_set1_epi32(0x7FFFFF), c.sign = _mm512_set1_epi32(0x800000);
+  return c;
+}
+
+// One group's 16 floats (escapes not patched: their exponent is 0). vpermd reads only an index's low 4 bits,
+// so the codes need no mask.
+__attribute__((target("avx512f,avx512bw,avx512vbmi"))) inline __m512 Group512(const uint8_t* g, const Consts512& c) {
+  const __m512i bytes = _mm512_maskz_loadu_epi8(0x00FFFFFFFFFFFFFFull, g);  // the group's 56 (no read past it)
+  const __m512i low = _mm512_maskz_permutexvar_epi8(0x7777777777777777ull, c.spread, bytes);
+  const __m128i codes = _mm_castpd_si128(_mm_loaddup_pd(reinterpret_cast<const double*>(g + 48)));
+  const __m512i e = _mm512_permutexvar_epi32(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(codes), c.shift), c.lut);
+  const __m512i s = _mm512_slli_epi32(_mm512_and_si512(low, c.sign), 8);
+  return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(_mm512_and_si512(low, c.mantissa), s, e, 0xFE));  // a | b | c
+}
+
+// Row n decoded into out [K].
+__attribute__((target("avx512f,avx512bw,avx512vbmi"))) inline void Row512(const Weights& w, int64_t n, int64_t K,
+                                                                         float* out) {
+  const Consts512 c = Make512(w.lut);
+  const uint8_t* g = w.data + n * RowBytes(K);
+  for (int64_t k = 0; k < K; k += kGroup, g += kGroupBytes) {
+    _mm_prefetch(reinterpret_cast<const char*>(g + kAhead), _MM_HINT_T0);
+    _mm512_storeu_ps(out + k, Group512(g, c));
+  }
+  Patch(w, n, out);
+}
+
+// A group with its escapes patched: row's escapes [esc, end) at k ascending, *next the first one's k (or K).
+__attribute__((target("avx512f,avx512bw,avx512vbmi"))) inline __m512 Patched512(__m512 v, int64_t k, const int32_t*& esc,
+                                                                               const int32_t* end, int64_t* next,
+                                                                               int64_t K) {
+  alignas(64) float f[16];
+  _mm512_store_ps(f, v);
+  for (; esc < end && (*esc >> 8) < k + kGroup; ++esc) {
+    uint32_t bits;
+    std::memcpy(&bits, f + ((*esc >> 8) - k), 4);
+    bits = (bits & ~0x7F800000u) | (static_cast<uint32_t>(*esc & 0xFF) << 23);
+    std::memcpy(f + ((*esc >> 8) - k), &bits, 4);
+  }
+  *next = esc < end ? (*esc >> 8) : K;
+  return _mm512_load_ps(f);
+}
+
+// MR x rows against NR packed weight rows n[0 .. NR), decoding in registers: out[i * NR + j] = x[i] . w[n[j]] by
+// rowdot.h's Tile512<MR, NR> arithmetic (lane i takes k = i, i + 16, ... through fused multiply-adds, then the
+// Sum16 tree), so its bits, and Tile256's.
+template <int MR, int NR>
+__attribute__((target("avx512f,avx512bw,avx512vbmi,avx2,fma"))) void Tile512(const float* const* x, const Weights& w,
+                                                                            const int64_t* n, int64_t K, float* out) {
+  const Consts512 c = Make512(w.lut);
+  const uint8_t* g[NR];
+  const int32_t *esc[NR], *end[NR];
+  int64_t next[NR];
+  __m512 acc[MR][NR];
+  for (int j = 0; j < NR; ++j) {
+    g[j] = w.data + n[j] * RowBytes(K);
+    esc[j] = w.esc + w.esc_off[n[j]], end[j] = w.esc + w.esc_off[n[j] + 1];
+    next[j] = esc[j] < end[j] ? (*esc[j] >> 8) : K;
+    for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_setzero_ps();
+  }
+  for (int64_t k = 0; k < K; k += kGroup) {
+    __m512 wv[NR];
+    for (int j = 0; j < NR; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(g[j] + kAhead), _MM_HINT_T0);
+      wv[j] = Group512(g[j], c);
+      if (next[j] < k + kGroup) wv[j] = Patched512(wv[j], k, esc[j], end[j], &next[j], K);  // rare
+      g[j] += kGroupBytes;
+    }
+    for (int i = 0; i < MR; ++i) {
+      const __m512 xv = _mm512_loadu_ps(x[i] + k);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  const __m512* flat = &acc[0][0];  // as rowdot.h's Tile512 sums them
+  int q = 0;
+  for (; q + 8 <= MR * NR; q += 8) rowdot::Sum16x8(flat + q, out + q);
+  for (; q < MR * NR; ++q) out[q] = rowdot::Sum16(flat[q]);
+}
+
+// ------------------------------------------------------------------------------------------------- AVX2
+
+// One group's 16 floats as two 8-float halves (escapes not patched), exps the 16 codes' exponents as bytes. pshufb
+// works within 128-bit lanes, so each lane loads the 12 bytes of its 4 floats at their own offset.
+__attribute__((target("avx2"))) inline void Group256(const uint8_t* g, __m128i exps, __m256* lo, __m256* hi) {
+  const __m256i spread = _mm256_setr_epi8(0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, 9, 10, 11, -1,  //
+                                          0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, 9, 10, 11, -1);
+  const __m256i mantissa = _mm256_set1_epi32(0x7FFFFF), sign = _mm256_set1_epi32(0x800000);
+  const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(g + 48));
+  const __m128i nib = _mm_set1_epi8(0x0F);
+  const __m128i e = _mm_shuffle_epi8(  // floats 0-7's exponents, then 8-15's
+      exps, _mm_unpacklo_epi64(_mm_and_si128(codes, nib), _mm_and_si128(_mm_srli_epi16(codes, 4), nib)));
+  __m256i out[2];
+  for (int h = 0; h < 2; ++h) {
+    const uint8_t* p = g + 24 * h;
+    const __m256i low = _mm256_shuffle_epi8(
+        _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+                                _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 12)), 1),
+        spread);
+    const __m256i exp = _mm256_slli_epi32(_mm256_cvtepu8_epi32(h == 0 ? e : _mm_srli_si128(e, 8)), 23);
+    out[h] = _mm256_or_si256(
+        _mm256_or_si256(_mm256_and_si256(low, mantissa), _mm256_slli_epi32(_mm256_and_si256(low, sign), 8)), exp);
+  }
+  *lo = _mm256_castsi256_ps(out[0]), *hi = _mm256_castsi256_ps(out[1]);
+}
+
+__attribute__((target("avx2"))) inline __m128i Exponents(const int32_t* lut) {
+  alignas(16) uint8_t b[16];
+  for (int c = 0; c < 16; ++c) b[c] = static_cast<uint8_t>(static_cast<uint32_t>(lut[c]) >> 23);
+  return _mm_load_si128(reinterpret_cast<const __m128i*>(b));
+}
+
+__attribute__((target("avx2"))) inline void Row256(const Weights& w, int64_t n, int64_t K, float* out) {
+  const __m128i exps = Exponents(w.lut);
+  const uint8_t* g = w.data + n * RowBytes(K);
+  for (int64_t k = 0; k < K; k += kGroup, g += kGroupBytes) {
+    _mm_prefetch(reinterpret_cast<const char*>(g + kAhead), _MM_HINT_T0);
+    __m256 lo, hi;
+    Group256(g, exps, &lo, &hi);
+    _mm256_storeu_ps(out + k, lo), _mm256_storeu_ps(out + k + 8, hi);
+  }
+  Patch(w, n, out);
+}
+
+// ------------------------------------------------------------------------------------- blocks and threads
+
+inline bool Vbmi() {
+  static const bool v = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bw") &&
+           std::string(rowdot::Pick().few.isa) == "avx512";  // GPT2_JAX_ROWDOT_ISA=avx2 takes AVX2 here too
+  }();
+  return v;
+}
+
+inline void Row(const Weights& w, int64_t n, int64_t K, float* out) {
+  if (Vbmi())
+    Row512(w, n, K, out);
+  else
+    Row256(w, n, K, out);
+}
+
+// Rows [m0, m1) x columns [n0, n1) of y = x . w.T. One x row with VBMI: each weight row decoded in registers
+// (Tile512<1, 1>: one stream, which the hardware and kAhead prefetch linearly; 1 x 3 tiles read slower). Otherwise
+// each tile's nr weight rows are decoded into a buffer that rowdot's own tiles then read for every x row. Either
+// way rowdot's arithmetic, so rowdot's bits at every row count. (Decoding in registers for 2-8 rows, each vector
+// feeding every row, measured slower than the buffer: on AMD's AVX-512, which runs a 512-bit operation as two
+// halves, decoding a vector costs about as much as 8 rows' multiply-adds with it, so at B=8 either form is
+// compute-bound above float32's 23 ms a step; see precision.py.)
+inline void Block(const rowdot::Problem& p, const Weights& w, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+  const int64_t K = p.K;
+  float out[48];
+  const float* xs[8];
+  if (p.M == 1 && Vbmi()) {
+    for (int64_t n = n0; n < n1; ++n) Tile512<1, 1>(&p.x, w, &n, K, p.y + n);
+    return;
+  }
+  const rowdot::Kernel& kern = rowdot::For(p.M);
+  thread_local std::vector<float> buf;
+  buf.resize(static_cast<size_t>(kern.nr * K));
+  const float* ws[12];
+  for (int64_t n = n0; n < n1; n += kern.nr) {
+    const int64_t nn = std::min<int64_t>(kern.nr, n1 - n);
+    for (int j = 0; j < kern.nr; ++j) {
+      if (j < nn) Row(w, n + j, K, buf.data() + j * K);
+      ws[j] = buf.data() + std::min<int64_t>(j, nn - 1) * K;  // a short tile repeats its last row, as rowdot's
+    }
+    // The next tile's rows on their way to L2 while the tiles below compute (the memory idles otherwise).
+    const uint8_t* ahead = w.data + std::min(n + kern.nr, p.N - 1) * RowBytes(K);
+    const int64_t span = std::min<int64_t>(kern.nr, std::max<int64_t>(p.N - n - kern.nr, 1)) * RowBytes(K);
+    for (int64_t b = 0; b < span; b += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + b), _MM_HINT_T1);
+    for (int64_t m = m0; m < m1; m += kern.mr) {
+      const int64_t mm = std::min<int64_t>(kern.mr, m1 - m);
+      for (int i = 0; i < mm; ++i) xs[i] = p.x + (m + i) * K;
+      kern.tiles[mm](xs, ws, K, out, 0);
+      for (int i = 0; i < mm; ++i)
+        for (int j = 0; j < nn; ++j) p.y[(m + i) * p.N + n + j] = out[i * kern.nr + j];
+    }
+  }
+}
+
+inline void Item(const rowdot::Problem& p, const Weights& w, int64_t row_blocks, int64_t i) {
+  const int64_t rb = i % row_blocks, cb = i / row_blocks;
+  Block(p, w, rb * rowdot::kRowBlock, std::min(p.M, (rb + 1) * rowdot::kRowBlock), cb * rowdot::kColBlock,
+        std::min(p.N, (cb + 1) * rowdot::kColBlock));
+}
+
+}  // namespace packed
