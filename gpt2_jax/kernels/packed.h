@@ -188,6 +188,36 @@ __attribute__((target("avx2"))) inline void Row256(const Weights& w, int64_t n, 
   Patch(w, n, out);
 }
 
+// x . w[n] for one x row, decoding in registers with AVX2: the 16 lanes as two 8-lane halves, each taking the
+// multiply-adds of rowdot.h's Tile256<1, 3>, then its sum (Sum8 of lo + hi), so its bits.
+__attribute__((target("avx2,fma"))) inline float Dot256(const float* x, const Weights& w, int64_t n, int64_t K) {
+  const __m128i exps = Exponents(w.lut);
+  const uint8_t* g = w.data + n * RowBytes(K);
+  const int32_t *esc = w.esc + w.esc_off[n], *end = w.esc + w.esc_off[n + 1];
+  int64_t next = esc < end ? (*esc >> 8) : K;
+  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += kGroup, g += kGroupBytes) {
+    _mm_prefetch(reinterpret_cast<const char*>(g + kAhead), _MM_HINT_T0);
+    __m256 a, b;
+    Group256(g, exps, &a, &b);
+    if (next < k + kGroup) {  // rare: patch this group's escapes
+      alignas(32) float f[16];
+      _mm256_store_ps(f, a), _mm256_store_ps(f + 8, b);
+      for (; esc < end && (*esc >> 8) < k + kGroup; ++esc) {
+        uint32_t bits;
+        std::memcpy(&bits, f + ((*esc >> 8) - k), 4);
+        bits = (bits & ~0x7F800000u) | (static_cast<uint32_t>(*esc & 0xFF) << 23);
+        std::memcpy(f + ((*esc >> 8) - k), &bits, 4);
+      }
+      next = esc < end ? (*esc >> 8) : K;
+      a = _mm256_load_ps(f), b = _mm256_load_ps(f + 8);
+    }
+    lo = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), a, lo);
+    hi = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), b, hi);
+  }
+  return rowdot::Sum8(_mm256_add_ps(lo, hi));
+}
+
 // ------------------------------------------------------------------------------------- blocks and threads
 
 inline bool Vbmi() {
@@ -206,8 +236,8 @@ inline void Row(const Weights& w, int64_t n, int64_t K, float* out) {
     Row256(w, n, K, out);
 }
 
-// Rows [m0, m1) x columns [n0, n1) of y = x . w.T. One x row with VBMI: each weight row decoded in registers
-// (Tile512<1, 1>: one stream, which the hardware and kAhead prefetch linearly; 1 x 3 tiles read slower). Otherwise
+// Rows [m0, m1) x columns [n0, n1) of y = x . w.T. One x row: each weight row decoded in registers (Tile512<1, 1>
+// with VBMI, else Dot256: one stream, which the hardware and kAhead prefetch linearly; 1 x 3 tiles read slower). Otherwise
 // each tile's nr weight rows are decoded into a buffer that rowdot's own tiles then read for every x row. Either
 // way rowdot's arithmetic, so rowdot's bits at every row count. (Decoding in registers for 2-8 rows, each vector
 // feeding every row, measured slower than the buffer: on AMD's AVX-512, which runs a 512-bit operation as two
@@ -217,8 +247,12 @@ inline void Block(const rowdot::Problem& p, const Weights& w, int64_t m0, int64_
   const int64_t K = p.K;
   float out[48];
   const float* xs[8];
-  if (p.M == 1 && Vbmi()) {
-    for (int64_t n = n0; n < n1; ++n) Tile512<1, 1>(&p.x, w, &n, K, p.y + n);
+  if (p.M == 1) {
+    for (int64_t n = n0; n < n1; ++n)
+      if (Vbmi())
+        Tile512<1, 1>(&p.x, w, &n, K, p.y + n);
+      else
+        p.y[n] = Dot256(p.x, w, n, K);
     return;
   }
   const rowdot::Kernel& kern = rowdot::For(p.M);
