@@ -3,16 +3,17 @@
 //
 // Why: a decode step at B=1 reads every weight once and does one multiply-add with it, so it runs at the memory's
 // speed; every fp32 engine reads the same 500 MB of gpt2-small and they finish level (bench/peers.py). A float32's
-// 8 exponent bits carry about 3 bits of information in trained and random weights alike (N(0, 0.02): 15 exponents
-// cover all but ~1.5e-4 of them), so each weight keeps its sign and 23 mantissa bits (3 bytes) and a 4-bit code for
-// its exponent; the rare exponent outside a matrix's 15 most common is an escape listed beside the rows.
+// top byte (its sign and 7 of its 8 exponent bits) takes few values in trained and random weights alike (N(0, 0.02):
+// 15 of them cover all but ~1e-3 of the weights), so each weight keeps its low 3 bytes (mantissa and the exponent's
+// last bit) and a 4-bit code for its top byte; the rare top byte outside a matrix's 15 most common is an escape
+// listed beside the rows. Rebuilding a float then takes two byte shuffles (AVX-512 VBMI's vpermb).
 //
 // Layout of a weight w [N, K] (K a multiple of 16), each row K / 16 groups of 56 bytes, rows one after another:
-//   bytes 3i .. 3i+2 (i < 16)  float i's bits 0-22 (its mantissa) with its sign as bit 23, little-endian
-//   bytes 48 .. 55             the exponent codes: byte 48 + i holds float i's (low nibble), float i + 8's (high)
-//   lut [16]                   code c's exponent, shifted into place (e << 23); code 15 is the escape (lut 0)
-//   esc, esc_off [N + 1]       row n's escapes, esc[esc_off[n] .. esc_off[n + 1]): k << 8 | e, k ascending
-// The float is (low & 0x7FFFFF) | (low & 0x800000) << 8 | lut[code], patched with e << 23 at an escape.
+//   bytes 3i .. 3i+2 (i < 16)  float i's bytes 0-2, little-endian
+//   bytes 48 .. 55             the codes, a little-endian 64-bit word: float i's in bits 4i .. 4i+3
+//   lut [16]                   code c's top byte, shifted into place (t << 24); code 15 is the escape (lut 0)
+//   esc, esc_off [N + 1]       row n's escapes, esc[esc_off[n] .. esc_off[n + 1]): k << 8 | t, k ascending
+// The float's bits are low | lut[code], with t << 24 in place of lut[code] at an escape.
 // (No XLA, no Python here: a plain C++ program can time it.)
 #pragma once
 
@@ -47,7 +48,7 @@ inline void Patch(const Weights& w, int64_t n, float* row) {
     const int32_t e = w.esc[i];
     uint32_t bits;
     std::memcpy(&bits, row + (e >> 8), 4);
-    bits = (bits & ~0x7F800000u) | (static_cast<uint32_t>(e & 0xFF) << 23);
+    bits = (bits & 0x00FFFFFFu) | (static_cast<uint32_t>(e & 0xFF) << 24);
     std::memcpy(row + (e >> 8), &bits, 4);
   }
 }
@@ -55,29 +56,31 @@ inline void Patch(const Weights& w, int64_t n, float* row) {
 // ------------------------------------------------------------------------------ AVX-512 (with VBMI's vpermb)
 
 struct Consts512 {
-  __m512i lut, spread, shift, mantissa, sign;
+  __m512i spread, select, tops;
 };
 
 __attribute__((target("avx512f,avx512bw,avx512vbmi"))) inline Consts512 Make512(const int32_t* lut) {
-  Consts512 c;
-  c.lut = _mm512_loadu_si512(lut);
-  alignas(64) uint8_t spread[64];  // dword i takes bytes 3i .. 3i+2 (its 4th byte is zeroed by the mask)
-  for (int i = 0; i < 16; ++i) spread[4 * i] = 3 * i, spread[4 * i + 1] = 3 * i + 1, spread[4 * i + 2] = 3 * i + 2, spread[4 * i + 3] = 0;
-  c.spread = _mm512_load_si512(spread);
-  c.shift = _mm512_set_epi32(4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0);  // floats 8-15: the high nibble
-  c.mantissa = _mm512_set1_epi32(0x7FFFFF), c.sign = _mm512_set1_epi32(0x800000);
-  return c;
+  alignas(64) uint8_t spread[64], select[64], tops[64];
+  for (int i = 0; i < 16; ++i) {
+    // dword i's bytes 0-2 are the group's bytes 3i .. 3i+2 (its byte 3 is zeroed by the mask)
+    spread[4 * i] = 3 * i, spread[4 * i + 1] = 3 * i + 1, spread[4 * i + 2] = 3 * i + 2, spread[4 * i + 3] = 0;
+    // vpmultishiftqb: dword i's byte 3 takes the 8 bits from bit 4i of the codes (code i, then code i + 1's bits)
+    select[4 * i] = select[4 * i + 1] = select[4 * i + 2] = 0, select[4 * i + 3] = static_cast<uint8_t>(4 * i);
+  }
+  // vpermb reads an index's low 6 bits: code i and 2 bits of code i + 1, so the 16 top bytes repeat 4 times
+  for (int j = 0; j < 64; ++j) tops[j] = static_cast<uint8_t>(static_cast<uint32_t>(lut[j % 16]) >> 24);
+  return Consts512{_mm512_load_si512(spread), _mm512_load_si512(select), _mm512_load_si512(tops)};
 }
 
-// One group's 16 floats (escapes not patched: their exponent is 0). vpermd reads only an index's low 4 bits,
-// so the codes need no mask.
+// One group's 16 floats (escapes not patched: their top byte is 0): bytes 0-2 of each from the group, byte 3 its
+// code's top byte.
 __attribute__((target("avx512f,avx512bw,avx512vbmi"))) inline __m512 Group512(const uint8_t* g, const Consts512& c) {
   const __m512i bytes = _mm512_maskz_loadu_epi8(0x00FFFFFFFFFFFFFFull, g);  // the group's 56 (no read past it)
   const __m512i low = _mm512_maskz_permutexvar_epi8(0x7777777777777777ull, c.spread, bytes);
-  const __m128i codes = _mm_castpd_si128(_mm_loaddup_pd(reinterpret_cast<const double*>(g + 48)));
-  const __m512i e = _mm512_permutexvar_epi32(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(codes), c.shift), c.lut);
-  const __m512i s = _mm512_slli_epi32(_mm512_and_si512(low, c.sign), 8);
-  return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(_mm512_and_si512(low, c.mantissa), s, e, 0xFE));  // a | b | c
+  long long codes;
+  std::memcpy(&codes, g + 48, 8);
+  const __m512i at = _mm512_multishift_epi64_epi8(c.select, _mm512_set1_epi64(codes));
+  return _mm512_castsi512_ps(_mm512_mask_permutexvar_epi8(low, 0x8888888888888888ull, at, c.tops));
 }
 
 // Row n decoded into out [K].
@@ -101,7 +104,7 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi"))) inline __m512 Patched512(
   for (; esc < end && (*esc >> 8) < k + kGroup; ++esc) {
     uint32_t bits;
     std::memcpy(&bits, f + ((*esc >> 8) - k), 4);
-    bits = (bits & ~0x7F800000u) | (static_cast<uint32_t>(*esc & 0xFF) << 23);
+    bits = (bits & 0x00FFFFFFu) | (static_cast<uint32_t>(*esc & 0xFF) << 24);
     std::memcpy(f + ((*esc >> 8) - k), &bits, 4);
   }
   *next = esc < end ? (*esc >> 8) : K;
@@ -146,16 +149,15 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi,avx2,fma"))) void Tile512(con
 
 // ------------------------------------------------------------------------------------------------- AVX2
 
-// One group's 16 floats as two 8-float halves (escapes not patched), exps the 16 codes' exponents as bytes. pshufb
-// works within 128-bit lanes, so each lane loads the 12 bytes of its 4 floats at their own offset.
-__attribute__((target("avx2"))) inline void Group256(const uint8_t* g, __m128i exps, __m256* lo, __m256* hi) {
+// One group's 16 floats as two 8-float halves (escapes not patched), tops the 16 codes' top bytes. pshufb works
+// within 128-bit lanes, so each lane loads the 12 bytes of its 4 floats at their own offset.
+__attribute__((target("avx2"))) inline void Group256(const uint8_t* g, __m128i tops, __m256* lo, __m256* hi) {
   const __m256i spread = _mm256_setr_epi8(0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, 9, 10, 11, -1,  //
                                           0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, 9, 10, 11, -1);
-  const __m256i mantissa = _mm256_set1_epi32(0x7FFFFF), sign = _mm256_set1_epi32(0x800000);
   const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(g + 48));
   const __m128i nib = _mm_set1_epi8(0x0F);
-  const __m128i e = _mm_shuffle_epi8(  // floats 0-7's exponents, then 8-15's
-      exps, _mm_unpacklo_epi64(_mm_and_si128(codes, nib), _mm_and_si128(_mm_srli_epi16(codes, 4), nib)));
+  const __m128i top = _mm_shuffle_epi8(  // codes 0, 1, ..., 15 (byte b holds 2b low, 2b + 1 high) -> top bytes
+      tops, _mm_unpacklo_epi8(_mm_and_si128(codes, nib), _mm_and_si128(_mm_srli_epi16(codes, 4), nib)));
   __m256i out[2];
   for (int h = 0; h < 2; ++h) {
     const uint8_t* p = g + 24 * h;
@@ -163,26 +165,24 @@ __attribute__((target("avx2"))) inline void Group256(const uint8_t* g, __m128i e
         _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
                                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 12)), 1),
         spread);
-    const __m256i exp = _mm256_slli_epi32(_mm256_cvtepu8_epi32(h == 0 ? e : _mm_srli_si128(e, 8)), 23);
-    out[h] = _mm256_or_si256(
-        _mm256_or_si256(_mm256_and_si256(low, mantissa), _mm256_slli_epi32(_mm256_and_si256(low, sign), 8)), exp);
+    out[h] = _mm256_or_si256(low, _mm256_slli_epi32(_mm256_cvtepu8_epi32(h == 0 ? top : _mm_srli_si128(top, 8)), 24));
   }
   *lo = _mm256_castsi256_ps(out[0]), *hi = _mm256_castsi256_ps(out[1]);
 }
 
-__attribute__((target("avx2"))) inline __m128i Exponents(const int32_t* lut) {
+__attribute__((target("avx2"))) inline __m128i Tops(const int32_t* lut) {
   alignas(16) uint8_t b[16];
-  for (int c = 0; c < 16; ++c) b[c] = static_cast<uint8_t>(static_cast<uint32_t>(lut[c]) >> 23);
+  for (int c = 0; c < 16; ++c) b[c] = static_cast<uint8_t>(static_cast<uint32_t>(lut[c]) >> 24);
   return _mm_load_si128(reinterpret_cast<const __m128i*>(b));
 }
 
 __attribute__((target("avx2"))) inline void Row256(const Weights& w, int64_t n, int64_t K, float* out) {
-  const __m128i exps = Exponents(w.lut);
+  const __m128i tops = Tops(w.lut);
   const uint8_t* g = w.data + n * RowBytes(K);
   for (int64_t k = 0; k < K; k += kGroup, g += kGroupBytes) {
     _mm_prefetch(reinterpret_cast<const char*>(g + kAhead), _MM_HINT_T0);
     __m256 lo, hi;
-    Group256(g, exps, &lo, &hi);
+    Group256(g, tops, &lo, &hi);
     _mm256_storeu_ps(out + k, lo), _mm256_storeu_ps(out + k + 8, hi);
   }
   Patch(w, n, out);
@@ -191,7 +191,7 @@ __attribute__((target("avx2"))) inline void Row256(const Weights& w, int64_t n, 
 // x . w[n] for one x row, decoding in registers with AVX2: the 16 lanes as two 8-lane halves, each taking the
 // multiply-adds of rowdot.h's Tile256<1, 3>, then its sum (Sum8 of lo + hi), so its bits.
 __attribute__((target("avx2,fma"))) inline float Dot256(const float* x, const Weights& w, int64_t n, int64_t K) {
-  const __m128i exps = Exponents(w.lut);
+  const __m128i tops = Tops(w.lut);
   const uint8_t* g = w.data + n * RowBytes(K);
   const int32_t *esc = w.esc + w.esc_off[n], *end = w.esc + w.esc_off[n + 1];
   int64_t next = esc < end ? (*esc >> 8) : K;
@@ -199,14 +199,14 @@ __attribute__((target("avx2,fma"))) inline float Dot256(const float* x, const We
   for (int64_t k = 0; k < K; k += kGroup, g += kGroupBytes) {
     _mm_prefetch(reinterpret_cast<const char*>(g + kAhead), _MM_HINT_T0);
     __m256 a, b;
-    Group256(g, exps, &a, &b);
+    Group256(g, tops, &a, &b);
     if (next < k + kGroup) {  // rare: patch this group's escapes
       alignas(32) float f[16];
       _mm256_store_ps(f, a), _mm256_store_ps(f + 8, b);
       for (; esc < end && (*esc >> 8) < k + kGroup; ++esc) {
         uint32_t bits;
         std::memcpy(&bits, f + ((*esc >> 8) - k), 4);
-        bits = (bits & ~0x7F800000u) | (static_cast<uint32_t>(*esc & 0xFF) << 23);
+        bits = (bits & 0x00FFFFFFu) | (static_cast<uint32_t>(*esc & 0xFF) << 24);
         std::memcpy(f + ((*esc >> 8) - k), &bits, 4);
       }
       next = esc < end ? (*esc >> 8) : K;
