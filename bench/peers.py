@@ -13,8 +13,8 @@ Prefill: t(one 512-token prompt, 1 new) at B=1 (`--prefill 0` skips it), its bou
 bench/machine.py measures (2 x parameters x tokens FLOPs; int8 engines can pass it, fp32 ones hardly).
 
 Bound of a row: the bytes it must read per decode step (its matmul weights at its own precision, 4 bytes
-for fp32, 1 for int8 and w8a8, 34/32 for q8_0; the fp32 biases and LayerNorms; the KV cache at S = 32 + 128, fp32
-but llama.cpp q8_0's f16)
+for fp32, 3.5 for fp32-packed (gpt2_jax's float32-packed: float32's values, lossless), 1 for int8 and w8a8,
+34/32 for q8_0; the fp32 biases and LayerNorms; the KV cache at S = 32 + 128, fp32 but llama.cpp q8_0's f16)
 over the read bandwidth measured by bench/machine.py; "of bound" is measured / bound. Agreement: each
 row's greedy tokens (129 new) against transformers'; for fp32 peers they should be equal.
 """
@@ -39,11 +39,13 @@ import numpy as np
 PROMPT, NEW = 32, 128
 ROWS = [  # label, engine, precision, bytes per matmul weight, bytes per KV cache element, extra env
     ("gpt2_jax", "gpt2_jax", "fp32", 4.0, 4, {}),
+    ("gpt2_jax", "gpt2_jax", "fp32-packed", 3.5, 4, {}),  # float32's values and bits, 3.5 bytes a weight
     ("gpt2_jax", "gpt2_jax", "int8", 1.0, 4, {}),
     ("gpt2_jax", "gpt2_jax", "w8a8", 1.0, 4, {}),  # int8's weights, 8-bit matmul inputs
     # on a CPU with AMX, int8 as it runs without AMX's tiles (VNNI alone)
     ("gpt2_jax, forced avx512-vnni", "gpt2_jax", "int8", 1.0, 4, {"GPT2_JAX_ROWDOT_ISA": "avx512-vnni"}),
     ("gpt2_jax, forced avx2 kernels", "gpt2_jax", "fp32", 4.0, 4, {"GPT2_JAX_ROWDOT_ISA": "avx2"}),
+    ("gpt2_jax, forced avx2 kernels", "gpt2_jax", "fp32-packed", 3.5, 4, {"GPT2_JAX_ROWDOT_ISA": "avx2"}),
     ("gpt2_jax, forced avx2 kernels", "gpt2_jax", "int8", 1.0, 4, {"GPT2_JAX_ROWDOT_ISA": "avx2"}),
     ("gpt2_jax, forced avx2 kernels", "gpt2_jax", "w8a8", 1.0, 4, {"GPT2_JAX_ROWDOT_ISA": "avx2"}),
     ("transformers (PyTorch eager)", "transformers", "fp32", 4.0, 4, {}),

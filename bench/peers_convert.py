@@ -132,7 +132,8 @@ def engine_gpt2_jax(ckpt: Path, work: Path, threads: int, precision: str):
     import gpt2_jax
     from gpt2_jax import kernels
 
-    params, config = gpt2_jax.load(ckpt, dtype=precision if precision in ("int8", "w8a8") else "float32")
+    dtype = {"fp32": "float32", "fp32-packed": "float32-packed"}.get(precision, precision)
+    params, config = gpt2_jax.load(ckpt, dtype=dtype)
 
     def gen(prompts, n):
         out = gpt2_jax.generate(params, config, prompts.tolist(), jax.random.key(0), max_new_tokens=n, eos_id=None,

@@ -56,7 +56,9 @@ def test_reduced_precision_logits_stay_close_to_transformers(model):
     assert not is_w8a8(with_precision(w8a8, "int8")) and with_precision(w8a8, "float32")["wte"].dtype == jnp.float32
     q = quantize_int8(params)["h"][1]["mlp"]["c_fc"]
     assert q["weight"].dtype == jnp.int8 and q["scale"].shape == (config.mlp_dim,)
-    with pytest.raises(ConfigError, match="precision 'fp8' is not one of float32, float32-packed, bfloat16, int8, w8a8"):
+    with pytest.raises(
+        ConfigError, match="precision 'fp8' is not one of float32, float32-packed, bfloat16, int8, w8a8"
+    ):
         with_precision(params, "fp8")
 
 
