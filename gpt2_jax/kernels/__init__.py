@@ -25,8 +25,8 @@ compute each output by the same instructions whatever M is:
           its multiply-adds.
 
   rowdot_packed  rowdot over float32 weights packed losslessly in 3.5 bytes each (packed.h, packed.py:
-          gpt2_jax.model.precision's float32-packed): each weight's sign and mantissa, and a 4-bit code for its
-          exponent; decoded in registers, then rowdot's own multiply-adds, so rowdot's bits from 12.5% fewer bytes.
+          gpt2_jax.model.precision's float32-packed): each weight's low 3 bytes and a 4-bit code for its top
+          byte; rebuilt in registers, then rowdot's own multiply-adds, so rowdot's bits from 12.5% fewer bytes.
 
 `softmax` is attention's softmax over blocked scores, its sum added block by block (softmax.h).
 `cumsum` is the sampler's prefix sum, accumulated in float64 as torch's is; `argmax` its greedy token.

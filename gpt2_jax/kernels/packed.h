@@ -42,15 +42,24 @@ struct Weights {
 
 inline int64_t RowBytes(int64_t K) { return K / kGroup * kGroupBytes; }
 
+// An escape's top byte (e & 0xFF) written into its float.
+inline void SetTop(float* f, int32_t e) {
+  uint32_t bits;
+  std::memcpy(&bits, f, 4);
+  bits = (bits & 0x00FFFFFFu) | (static_cast<uint32_t>(e & 0xFF) << 24);
+  std::memcpy(f, &bits, 4);
+}
+
 // Row n's escapes written into its decoded floats.
 inline void Patch(const Weights& w, int64_t n, float* row) {
-  for (int32_t i = w.esc_off[n]; i < w.esc_off[n + 1]; ++i) {
-    const int32_t e = w.esc[i];
-    uint32_t bits;
-    std::memcpy(&bits, row + (e >> 8), 4);
-    bits = (bits & 0x00FFFFFFu) | (static_cast<uint32_t>(e & 0xFF) << 24);
-    std::memcpy(row + (e >> 8), &bits, 4);
-  }
+  for (int32_t i = w.esc_off[n]; i < w.esc_off[n + 1]; ++i) SetTop(row + (w.esc[i] >> 8), w.esc[i]);
+}
+
+// The escapes of the group at k written into its floats f [16]: the row's escapes [esc, end) at k ascending, esc
+// moved past the group's; -> the next one's k (or K).
+inline int64_t PatchGroup(float* f, int64_t k, const int32_t*& esc, const int32_t* end, int64_t K) {
+  for (; esc < end && (*esc >> 8) < k + kGroup; ++esc) SetTop(f + ((*esc >> 8) - k), *esc);
+  return esc < end ? (*esc >> 8) : K;
 }
 
 // ------------------------------------------------------------------------------ AVX-512 (with VBMI's vpermb)
@@ -101,13 +110,7 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi"))) inline __m512 Patched512(
                                                                                int64_t K) {
   alignas(64) float f[16];
   _mm512_store_ps(f, v);
-  for (; esc < end && (*esc >> 8) < k + kGroup; ++esc) {
-    uint32_t bits;
-    std::memcpy(&bits, f + ((*esc >> 8) - k), 4);
-    bits = (bits & 0x00FFFFFFu) | (static_cast<uint32_t>(*esc & 0xFF) << 24);
-    std::memcpy(f + ((*esc >> 8) - k), &bits, 4);
-  }
-  *next = esc < end ? (*esc >> 8) : K;
+  *next = PatchGroup(f, k, esc, end, K);
   return _mm512_load_ps(f);
 }
 
@@ -116,8 +119,8 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi"))) inline __m512 Patched512(
 // Sum16 tree), so its bits, and Tile256's.
 template <int MR, int NR>
 __attribute__((target("avx512f,avx512bw,avx512vbmi,avx2,fma"))) void Tile512(const float* const* x, const Weights& w,
-                                                                            const int64_t* n, int64_t K, float* out) {
-  const Consts512 c = Make512(w.lut);
+                                                                            const Consts512& c, const int64_t* n,
+                                                                            int64_t K, float* out) {
   const uint8_t* g[NR];
   const int32_t *esc[NR], *end[NR];
   int64_t next[NR];
@@ -190,8 +193,8 @@ __attribute__((target("avx2"))) inline void Row256(const Weights& w, int64_t n, 
 
 // x . w[n] for one x row, decoding in registers with AVX2: the 16 lanes as two 8-lane halves, each taking the
 // multiply-adds of rowdot.h's Tile256<1, 3>, then its sum (Sum8 of lo + hi), so its bits.
-__attribute__((target("avx2,fma"))) inline float Dot256(const float* x, const Weights& w, int64_t n, int64_t K) {
-  const __m128i tops = Tops(w.lut);
+__attribute__((target("avx2,fma"))) inline float Dot256(const float* x, const Weights& w, __m128i tops, int64_t n,
+                                                        int64_t K) {
   const uint8_t* g = w.data + n * RowBytes(K);
   const int32_t *esc = w.esc + w.esc_off[n], *end = w.esc + w.esc_off[n + 1];
   int64_t next = esc < end ? (*esc >> 8) : K;
@@ -203,19 +206,27 @@ __attribute__((target("avx2,fma"))) inline float Dot256(const float* x, const We
     if (next < k + kGroup) {  // rare: patch this group's escapes
       alignas(32) float f[16];
       _mm256_store_ps(f, a), _mm256_store_ps(f + 8, b);
-      for (; esc < end && (*esc >> 8) < k + kGroup; ++esc) {
-        uint32_t bits;
-        std::memcpy(&bits, f + ((*esc >> 8) - k), 4);
-        bits = (bits & 0x00FFFFFFu) | (static_cast<uint32_t>(*esc & 0xFF) << 24);
-        std::memcpy(f + ((*esc >> 8) - k), &bits, 4);
-      }
-      next = esc < end ? (*esc >> 8) : K;
+      next = PatchGroup(f, k, esc, end, K);
       a = _mm256_load_ps(f), b = _mm256_load_ps(f + 8);
     }
     lo = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), a, lo);
     hi = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), b, hi);
   }
   return rowdot::Sum8(_mm256_add_ps(lo, hi));
+}
+
+// y[n] = x . w[n] for n in [n0, n1), one x row, each weight row decoded in registers.
+__attribute__((target("avx512f,avx512bw,avx512vbmi,avx2,fma"))) inline void OneRow512(const float* x, const Weights& w,
+                                                                                     int64_t n0, int64_t n1, int64_t K,
+                                                                                     float* y) {
+  const Consts512 c = Make512(w.lut);
+  for (int64_t n = n0; n < n1; ++n) Tile512<1, 1>(&x, w, c, &n, K, y + n);
+}
+
+__attribute__((target("avx2,fma"))) inline void OneRow256(const float* x, const Weights& w, int64_t n0, int64_t n1,
+                                                          int64_t K, float* y) {
+  const __m128i tops = Tops(w.lut);
+  for (int64_t n = n0; n < n1; ++n) y[n] = Dot256(x, w, tops, n, K);
 }
 
 // ------------------------------------------------------------------------------------- blocks and threads
@@ -236,8 +247,8 @@ inline void Row(const Weights& w, int64_t n, int64_t K, float* out) {
     Row256(w, n, K, out);
 }
 
-// Rows [m0, m1) x columns [n0, n1) of y = x . w.T. One x row: each weight row decoded in registers (Tile512<1, 1>
-// with VBMI, else Dot256: one stream, which the hardware and kAhead prefetch linearly; 1 x 3 tiles read slower). Otherwise
+// Rows [m0, m1) x columns [n0, n1) of y = x . w.T. One x row: each weight row decoded in registers (OneRow512 or
+// OneRow256: one stream, which the hardware and kAhead prefetch linearly; 1 x 3 tiles read slower). Otherwise
 // each tile's nr weight rows are decoded into a buffer that rowdot's own tiles then read for every x row. Either
 // way rowdot's arithmetic, so rowdot's bits at every row count. (Decoding in registers for 2-8 rows, each vector
 // feeding every row, measured slower than the buffer: on AMD's AVX-512, which runs a 512-bit operation as two
@@ -248,11 +259,13 @@ inline void Block(const rowdot::Problem& p, const Weights& w, int64_t m0, int64_
   float out[48];
   const float* xs[8];
   if (p.M == 1) {
-    for (int64_t n = n0; n < n1; ++n)
-      if (Vbmi())
-        Tile512<1, 1>(&p.x, w, &n, K, p.y + n);
-      else
-        p.y[n] = Dot256(p.x, w, n, K);
+    // AVX-512 where rowdot's own 1-row tiles are AVX-512's; on AMD, AVX2's (rowdot.h's AvxTwoForOneRow): there
+    // too the 256-bit decoder streamed faster (2-core AMD EPYC, 2026-12-05 20:41 peers run: 12.8 vs 14.1 ms/step)
+    static const bool wide = Vbmi() && std::string(rowdot::Pick().one.isa) == "avx512";
+    if (wide)
+      OneRow512(p.x, w, n0, n1, K, p.y);
+    else
+      OneRow256(p.x, w, n0, n1, K, p.y);
     return;
   }
   const rowdot::Kernel& kern = rowdot::For(p.M);

@@ -3,11 +3,12 @@
   float32   everything in float32.
   float32-packed
             float32, bit for bit, with the tied wte and the blocks' c_attn, c_proj and c_fc held in 3.5 bytes a
-            weight instead of 4 (gpt2_jax.kernels.Packed, lossless: each weight's sign and mantissa, and a 4-bit
-            code for its exponent, the rare exponent outside a matrix's 15 most common listed beside it). On a
-            CPU the kernels decode them in registers and run rowdot's multiply-adds, so logits, tokens and
-            logprobs equal float32's bit for bit at any batch, while a decode step reads 12.5% fewer bytes
-            (bench/peers.py: B=1 is bound by the memory's speed). Elsewhere they are unpacked for XLA's matmul.
+            weight instead of 4 (gpt2_jax.kernels.Packed, lossless: each weight's low 3 bytes, and a 4-bit code
+            for its top byte, its sign and 7 exponent bits; the rare top byte outside a matrix's 15 most common is
+            listed beside it). On a CPU the kernels rebuild them in registers and run rowdot's multiply-adds, so
+            logits, tokens and logprobs equal float32's bit for bit at any batch, while a decode step reads 12.5%
+            fewer bytes: faster at B=1, which is bound by the memory's speed, slower for many rows, which pay the
+            rebuilding again per row tile (bench/peers.py). Elsewhere they are unpacked for XLA's matmul.
             Per-layer params only (load()'s form); for inference: to train or save, unpack with
             with_precision(params, "float32").
   bfloat16  weights, matmul inputs and the KV cache in bfloat16; matmuls accumulate in float32, and the
