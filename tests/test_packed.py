@@ -145,3 +145,21 @@ def test_the_cli_samples_float32s_very_text_from_packed_weights(capsys):
         texts[dtype] = capsys.readouterr().out
     assert texts["float32"].startswith("ROMEO:") and len(texts["float32"]) > len("ROMEO:\n")
     assert texts["float32-packed"] == texts["float32"]  # sampled, not greedy: the same logits, bit for bit
+
+
+def test_without_the_kernels_packed_weights_are_unpacked_for_xlas_matmul(monkeypatch):
+    """Where the kernels do not run (a GPU, no compiler), rowdot_packed and packed_rows unpack the weight in jnp and
+    hand it to XLA: the values of x @ w.T and of w's rows (exact for the rows, close for the product)."""
+    monkeypatch.setattr(kernels.ffi, "_REGISTERED", False)
+    jax.clear_caches()
+    try:
+        assert kernels.available() is None
+        w = weights((40, 64))
+        x = np.random.default_rng(2).standard_normal((3, 64)).astype(np.float32)
+        y = np.asarray(jax.jit(rowdot_packed)(x, pack(w)))
+        np.testing.assert_allclose(y[:, 1:], x.astype(np.float64) @ w[1:].T.astype(np.float64), rtol=1e-5, atol=1e-6)
+        rows = np.asarray(packed_rows(pack(w), np.array([7, -1])))
+        np.testing.assert_array_equal(bits(rows[0]), bits(w[7]))
+        assert np.isnan(rows[1]).all()
+    finally:
+        jax.clear_caches()

@@ -132,7 +132,8 @@ def packed_rows(p: Packed, ids: jax.Array) -> jax.Array:
 
     def other(data, lut, esc_off, esc, flat):
         w = unpack(Packed(data, lut, esc_off, esc, p.shape)).reshape(-1, p.shape[-1])
-        return jnp.take(w, flat, axis=0, mode="fill", fill_value=jnp.nan)
+        rows = jnp.take(w, flat, axis=0, mode="fill", fill_value=jnp.nan)  # NaN past N; before 0, as the kernel:
+        return jnp.where((flat >= 0)[:, None], rows, jnp.nan)  # (jnp.take counts a negative id from the end)
 
     operands = (p.data, p.lut, p.esc_off, p.esc, flat)
     y = jax.lax.platform_dependent(*operands, cpu=kernel, default=other) if ffi.available() else other(*operands)
