@@ -104,50 +104,27 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi"))) inline void Row512(const 
   Patch(w, n, out);
 }
 
-// A group with its escapes patched: row's escapes [esc, end) at k ascending, *next the first one's k (or K).
-__attribute__((target("avx512f,avx512bw,avx512vbmi"))) inline __m512 Patched512(__m512 v, int64_t k, const int32_t*& esc,
-                                                                               const int32_t* end, int64_t* next,
-                                                                               int64_t K) {
-  alignas(64) float f[16];
-  _mm512_store_ps(f, v);
-  *next = PatchGroup(f, k, esc, end, K);
-  return _mm512_load_ps(f);
-}
-
-// MR x rows against NR packed weight rows n[0 .. NR), decoding in registers: out[i * NR + j] = x[i] . w[n[j]] by
-// rowdot.h's Tile512<MR, NR> arithmetic (lane i takes k = i, i + 16, ... through fused multiply-adds, then the
-// Sum16 tree), so its bits, and Tile256's.
-template <int MR, int NR>
-__attribute__((target("avx512f,avx512bw,avx512vbmi,avx2,fma"))) void Tile512(const float* const* x, const Weights& w,
-                                                                            const Consts512& c, const int64_t* n,
-                                                                            int64_t K, float* out) {
-  const uint8_t* g[NR];
-  const int32_t *esc[NR], *end[NR];
-  int64_t next[NR];
-  __m512 acc[MR][NR];
-  for (int j = 0; j < NR; ++j) {
-    g[j] = w.data + n[j] * RowBytes(K);
-    esc[j] = w.esc + w.esc_off[n[j]], end[j] = w.esc + w.esc_off[n[j] + 1];
-    next[j] = esc[j] < end[j] ? (*esc[j] >> 8) : K;
-    for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_setzero_ps();
-  }
-  for (int64_t k = 0; k < K; k += kGroup) {
-    __m512 wv[NR];
-    for (int j = 0; j < NR; ++j) {
-      _mm_prefetch(reinterpret_cast<const char*>(g[j] + kAhead), _MM_HINT_T0);
-      wv[j] = Group512(g[j], c);
-      if (next[j] < k + kGroup) wv[j] = Patched512(wv[j], k, esc[j], end[j], &next[j], K);  // rare
-      g[j] += kGroupBytes;
+// x . w[n] for one x row, decoding in registers: rowdot.h's 16 lanes (lane i takes k = i, i + 16, ... through fused
+// multiply-adds) and its Sum16 tree, so the bits of its Tile512<1, 3> and Tile256<1, 3>.
+__attribute__((target("avx512f,avx512bw,avx512vbmi,avx2,fma"))) inline float Dot512(const float* x, const Weights& w,
+                                                                                   const Consts512& c, int64_t n,
+                                                                                   int64_t K) {
+  const uint8_t* g = w.data + n * RowBytes(K);
+  const int32_t *esc = w.esc + w.esc_off[n], *end = w.esc + w.esc_off[n + 1];
+  int64_t next = esc < end ? (*esc >> 8) : K;
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += kGroup, g += kGroupBytes) {
+    _mm_prefetch(reinterpret_cast<const char*>(g + kAhead), _MM_HINT_T0);
+    __m512 v = Group512(g, c);
+    if (next < k + kGroup) {  // rare: patch this group's escapes
+      alignas(64) float f[16];
+      _mm512_store_ps(f, v);
+      next = PatchGroup(f, k, esc, end, K);
+      v = _mm512_load_ps(f);
     }
-    for (int i = 0; i < MR; ++i) {
-      const __m512 xv = _mm512_loadu_ps(x[i] + k);
-      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
-    }
+    acc = _mm512_fmadd_ps(_mm512_loadu_ps(x + k), v, acc);
   }
-  const __m512* flat = &acc[0][0];  // as rowdot.h's Tile512 sums them
-  int q = 0;
-  for (; q + 8 <= MR * NR; q += 8) rowdot::Sum16x8(flat + q, out + q);
-  for (; q < MR * NR; ++q) out[q] = rowdot::Sum16(flat[q]);
+  return rowdot::Sum16(acc);
 }
 
 // ------------------------------------------------------------------------------------------------- AVX2
@@ -220,7 +197,7 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi,avx2,fma"))) inline void OneR
                                                                                      int64_t n0, int64_t n1, int64_t K,
                                                                                      float* y) {
   const Consts512 c = Make512(w.lut);
-  for (int64_t n = n0; n < n1; ++n) Tile512<1, 1>(&x, w, c, &n, K, y + n);
+  for (int64_t n = n0; n < n1; ++n) y[n] = Dot512(x, w, c, n, K);
 }
 
 __attribute__((target("avx2,fma"))) inline void OneRow256(const float* x, const Weights& w, int64_t n0, int64_t n1,
