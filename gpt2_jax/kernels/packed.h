@@ -262,7 +262,7 @@ inline void Block(const rowdot::Problem& p, const Weights& w, int64_t m0, int64_
     for (int64_t m = m0; m < m1; m += kern.mr) {
       const int64_t mm = std::min<int64_t>(kern.mr, m1 - m);
       for (int i = 0; i < mm; ++i) xs[i] = p.x + (m + i) * K;
-      kern.tiles[mm](xs, ws, K, out, 0);
+      kern.tiles[mm](xs, ws, K, out, 0, 0);
       for (int i = 0; i < mm; ++i)
         for (int j = 0; j < nn; ++j) p.y[(m + i) * p.N + n + j] = out[i * kern.nr + j];
     }

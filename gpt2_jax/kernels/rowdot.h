@@ -65,11 +65,13 @@ inline void InRegister(V& v) {
   asm("" : "+v"(v));
 }
 
-// MR x rows against NR w rows: out[i * NR + j] = x[i] . w[j].
+// MR x rows against NR w rows: out[i * NR + j] = x[i] . w[j]. As it goes, the tile prefetches into L2 the
+// floats `ahead` on from each w row j in the mask `ahead_rows` (Block: the next tile's rows), or none when
+// ahead is 0.
 template <int MR, int NR>
 __attribute__((target("avx512f,avx2,fma"))) void Tile512(const float* const* x, const float* const* w,
-                                                         int64_t K, float* out,
-                                                         int64_t ahead) {
+                                                         int64_t K, float* out, int64_t ahead,
+                                                         uint32_t ahead_rows) {
   __m512 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -77,7 +79,7 @@ __attribute__((target("avx512f,avx2,fma"))) void Tile512(const float* const* x, 
   for (; k + 16 <= K; k += 16) {
     __m512 wv[NR];
     for (int j = 0; j < NR; ++j) {
-      if (ahead) _mm_prefetch(reinterpret_cast<const char*>(w[j] + ahead + k), _MM_HINT_T1);
+      if (ahead && (ahead_rows >> j & 1)) _mm_prefetch(reinterpret_cast<const char*>(w[j] + ahead + k), _MM_HINT_T1);
       wv[j] = _mm512_loadu_ps(w[j] + k);
       if (MR > 1) InRegister(wv[j]);  // one row uses each w vector once: a memory operand is best
     }
@@ -112,14 +114,14 @@ inline void LoadTail(const float* p, int64_t n, float* buf) {  // n < 16 floats,
 template <int MR, int NR>
 __attribute__((target("avx2,fma"))) inline void Step256(const float* const* x, const float* const* w,
                                                         int64_t at, __m256 (&lo)[MR][NR], __m256 (&hi)[MR][NR],
-                                                        int64_t ahead) {
+                                                        int64_t ahead, uint32_t ahead_rows) {
   // Lanes 0-7 first, then lanes 8-15, so that besides the 2 x MR x NR accumulators only NR w vectors and one
   // x vector are live: a 2 x 3 tile fits AVX2's 16 registers (12 + 3 + 1). Loading both halves first (6 w, 2 x)
   // spilled accumulators to the stack: 8 rows 68 -> 84 GFLOP/s, 512 rows 81 -> 99 (2-core AMD EPYC, forced
   // avx2, 2026-12-05). Each accumulator takes the same multiply-adds in the same order either way.
   __m256 wv[NR];
   for (int j = 0; j < NR; ++j) {
-    if (ahead) _mm_prefetch(reinterpret_cast<const char*>(w[j] + ahead + at), _MM_HINT_T1);
+    if (ahead && (ahead_rows >> j & 1)) _mm_prefetch(reinterpret_cast<const char*>(w[j] + ahead + at), _MM_HINT_T1);
     wv[j] = _mm256_loadu_ps(w[j] + at);
     if (MR > 1) InRegister(wv[j]);
   }
@@ -138,19 +140,18 @@ __attribute__((target("avx2,fma"))) inline void Step256(const float* const* x, c
 
 template <int MR, int NR>
 __attribute__((target("avx2,fma"))) void Tile256(const float* const* x, const float* const* w, int64_t K,
-                                                 float* out,
-                                                 int64_t ahead) {
+                                                 float* out, int64_t ahead, uint32_t ahead_rows) {
   __m256 lo[MR][NR], hi[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) lo[i][j] = hi[i][j] = _mm256_setzero_ps();
   int64_t k = 0;
-  for (; k + 16 <= K; k += 16) Step256<MR, NR>(x, w, k, lo, hi, ahead);
+  for (; k + 16 <= K; k += 16) Step256<MR, NR>(x, w, k, lo, hi, ahead, ahead_rows);
   if (k < K) {  // the last K % 16 products, from zero-filled copies
     alignas(64) float xb[MR][16], wb[NR][16];
     const float *xs[MR], *ws[NR];
     for (int i = 0; i < MR; ++i) LoadTail(x[i] + k, K - k, xb[i]), xs[i] = xb[i];
     for (int j = 0; j < NR; ++j) LoadTail(w[j] + k, K - k, wb[j]), ws[j] = wb[j];
-    Step256<MR, NR>(xs, ws, 0, lo, hi, 0);
+    Step256<MR, NR>(xs, ws, 0, lo, hi, 0, 0);
   }
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) out[i * NR + j] = Sum8(_mm256_add_ps(lo[i][j], hi[i][j]));
@@ -158,7 +159,7 @@ __attribute__((target("avx2,fma"))) void Tile256(const float* const* x, const fl
 
 // ------------------------------------------------------------------------------------- blocks and threads
 
-using TileFn = void (*)(const float* const*, const float* const*, int64_t, float*, int64_t);
+using TileFn = void (*)(const float* const*, const float* const*, int64_t, float*, int64_t, uint32_t);
 
 struct Kernel {
   const char* isa;
@@ -259,12 +260,18 @@ inline int64_t MaxEnd(const Problem& p, int64_t m, int64_t mm) {
 }
 
 // Rows [m0, m1) x columns [n0, n1) of y. A short last tile repeats its last row or column (computed the
-// same way, then dropped), so every output goes through the same instructions. The first row tile of
-// each column tile prefetches the next column tile's w rows into L2 as it goes: the hardware prefetcher
-// alone leaves memory idle while a few-row tile computes (measured: 16 -> 27 GB/s at 8 rows, 29 -> 38 at
-// 1, 2 threads, on a 2-core AMD EPYC).
+// same way, then dropped), so every output goes through the same instructions. The row tiles of each
+// column tile prefetch the next column tile's w rows into L2 as they go: the hardware prefetcher alone
+// leaves memory idle while a few-row tile computes (measured: 16 -> 27 GB/s at 8 rows, 29 -> 38 at 1,
+// 2 threads, on a 2-core AMD EPYC). Row tile r of R takes the rows j with j % R == r, so the prefetches
+// go out spread over the column tile's work, not all in its first row tile: at 8 rows AVX2 runs 4 row
+// tiles, and the bursts left memory idle (the same AMD EPYC, forced avx2, 8 rows against gpt2-small's
+// bytes: 25.7 -> 22.5 ms).
 inline void Block(const Problem& p, const Kernel& kern, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
   const int64_t ahead = kern.nr * p.K;  // floats from a w row to the same k in the next tile's row
+  const int64_t R = std::min<int64_t>((m1 - m0 + kern.mr - 1) / kern.mr, kern.nr);
+  uint32_t ahead_rows[12] = {};  // row tile r's prefetched rows (a bit each), r < R
+  for (int j = 0; j < kern.nr; ++j) ahead_rows[j % R] |= 1u << j;
   float out[48];  // mr x nr
   const float* xs[8];
   const float* ws[12];
@@ -281,7 +288,8 @@ inline void Block(const Problem& p, const Kernel& kern, int64_t m0, int64_t m1, 
       }
       if (p.mode == Ends::kInputs) K = std::min(K, (MaxEnd(p, m, mm) + 15) / 16 * 16);
       for (int i = 0; i < mm; ++i) xs[i] = p.x + (m + i) * p.K;
-      kern.tiles[mm](xs, ws, K, out, m == m0 ? ahead : 0);
+      const int64_t r = (m - m0) / kern.mr;
+      kern.tiles[mm](xs, ws, K, out, r < R ? ahead : 0, r < R ? ahead_rows[r] : 0);
       for (int i = 0; i < mm; ++i) {
         int64_t end = p.mode == Ends::kOutputs ? p.ends[m + i] : p.N;  // outputs past a row's end are 0
         for (int j = 0; j < nn; ++j) p.y[(m + i) * p.N + n + j] = n + j < end ? out[i * kern.nr + j] : 0.0f;
