@@ -229,8 +229,9 @@ inline void Row(const Weights& w, int64_t n, int64_t K, float* out) {
 // each tile's nr weight rows are decoded into a buffer that rowdot's own tiles then read for every x row. Either
 // way rowdot's arithmetic, so rowdot's bits at every row count. (Decoding in registers for 2-8 rows, each vector
 // feeding every row, measured slower than the buffer: on AMD's AVX-512, which runs a 512-bit operation as two
-// halves, decoding a vector costs about as much as 8 rows' multiply-adds with it, so at B=8 either form is
-// compute-bound above float32's 23 ms a step; see precision.py.)
+// halves, decoding a vector costs about as much as 8 rows' multiply-adds with it, so at B=8 either form spends
+// more on decoding than its 12.5% fewer bytes save, where float32 streams its bytes at about the memory's
+// speed; see precision.py.)
 inline void Block(const rowdot::Problem& p, const Weights& w, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
   const int64_t K = p.K;
   float out[48];
