@@ -66,8 +66,7 @@ inline void InRegister(V& v) {
 }
 
 // MR x rows against NR w rows: out[i * NR + j] = x[i] . w[j]. As it goes, the tile prefetches into L2 the
-// floats `ahead` on from each w row j in the mask `ahead_rows` (Block: the next tile's rows), or none when
-// ahead is 0.
+// floats `ahead` on from each w row j in the mask `ahead_rows` (Block: the next tile's rows; 0: none).
 template <int MR, int NR>
 __attribute__((target("avx512f,avx2,fma"))) void Tile512(const float* const* x, const float* const* w,
                                                          int64_t K, float* out, int64_t ahead,
@@ -79,7 +78,7 @@ __attribute__((target("avx512f,avx2,fma"))) void Tile512(const float* const* x, 
   for (; k + 16 <= K; k += 16) {
     __m512 wv[NR];
     for (int j = 0; j < NR; ++j) {
-      if (ahead && (ahead_rows >> j & 1)) _mm_prefetch(reinterpret_cast<const char*>(w[j] + ahead + k), _MM_HINT_T1);
+      if (ahead_rows >> j & 1) _mm_prefetch(reinterpret_cast<const char*>(w[j] + ahead + k), _MM_HINT_T1);
       wv[j] = _mm512_loadu_ps(w[j] + k);
       if (MR > 1) InRegister(wv[j]);  // one row uses each w vector once: a memory operand is best
     }
@@ -121,7 +120,7 @@ __attribute__((target("avx2,fma"))) inline void Step256(const float* const* x, c
   // avx2, 2026-12-05). Each accumulator takes the same multiply-adds in the same order either way.
   __m256 wv[NR];
   for (int j = 0; j < NR; ++j) {
-    if (ahead && (ahead_rows >> j & 1)) _mm_prefetch(reinterpret_cast<const char*>(w[j] + ahead + at), _MM_HINT_T1);
+    if (ahead_rows >> j & 1) _mm_prefetch(reinterpret_cast<const char*>(w[j] + ahead + at), _MM_HINT_T1);
     wv[j] = _mm256_loadu_ps(w[j] + at);
     if (MR > 1) InRegister(wv[j]);
   }
@@ -289,7 +288,7 @@ inline void Block(const Problem& p, const Kernel& kern, int64_t m0, int64_t m1, 
       if (p.mode == Ends::kInputs) K = std::min(K, (MaxEnd(p, m, mm) + 15) / 16 * 16);
       for (int i = 0; i < mm; ++i) xs[i] = p.x + (m + i) * p.K;
       const int64_t r = (m - m0) / kern.mr;
-      kern.tiles[mm](xs, ws, K, out, r < R ? ahead : 0, r < R ? ahead_rows[r] : 0);
+      kern.tiles[mm](xs, ws, K, out, ahead, r < R ? ahead_rows[r] : 0);
       for (int i = 0; i < mm; ++i) {
         int64_t end = p.mode == Ends::kOutputs ? p.ends[m + i] : p.N;  // outputs past a row's end are 0
         for (int j = 0; j < nn; ++j) p.y[(m + i) * p.N + n + j] = n + j < end ? out[i * kern.nr + j] : 0.0f;
