@@ -132,6 +132,24 @@ def test_tied_wte_gradient_has_both_contributions(hf_and_ours):
     assert float(jnp.abs(g[60:]).max()) > 0
 
 
+def test_bfloat16_params_train_and_inference_forms_are_refused(hf_and_ours):
+    """bfloat16 params take gradient steps in their own dtype, their loss and gradients close to float32's (the
+    fused head's custom VJP gives each primal its own dtype); int8, w8a8 and float32-packed are refused by name."""
+    _, params, config = hf_and_ours
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, 101, (2, 9)), jnp.int32)
+    low = gpt2_jax.precision.with_precision(params, "bfloat16")
+    loss16, g16 = jax.value_and_grad(loss_fn)(low, tokens, config)
+    loss32, g32 = jax.value_and_grad(loss_fn)(params, tokens, config)
+    assert g16["wte"].dtype == jnp.bfloat16 and abs(float(loss16) - float(loss32)) < 2e-2 * float(loss32)
+    assert rel_err(np.asarray(g16["wte"], np.float32), np.asarray(g32["wte"])) < 5e-2
+    optimizer = make_optimizer(Hyper(lr=1e-3, warmup=0, steps=2))
+    state, metrics = make_train_step(config, optimizer)(init_state(low, optimizer), tokens[None], jax.random.key(0))
+    assert state.params["wte"].dtype == jnp.bfloat16 and np.isfinite(float(metrics["loss"]))
+    for mode in ("int8", "w8a8", "float32-packed"):
+        with pytest.raises(ConfigError, match=f"{mode} params are for inference only"):
+            init_state(gpt2_jax.precision.with_precision(params, mode), optimizer)
+
+
 def test_tiny_model_overfits_one_batch():
     config = gpt2_jax.GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=100, n_positions=32, embd_pdrop=0.0,
                                  attn_pdrop=0.0, resid_pdrop=0.0)  # fmt: skip

@@ -250,6 +250,17 @@ def is_w8a8(params: Params) -> bool:
     return "wte_qsum" in params
 
 
+def check_trainable(params: Params) -> None:
+    """Raise unless params can take gradient updates (float32 or bfloat16 leaves). int8, w8a8 and
+    float32-packed params (gpt2_jax.model.precision) are inference forms: their integer or packed leaves have
+    no gradient, so training them would fail deep inside jax.grad."""
+    form = "float32-packed" if is_packed(params) else "w8a8" if is_w8a8(params) else "int8" if is_int8(params) else ""
+    if form:
+        raise ConfigError(f"{form} params are for inference only and cannot be trained: load them with "
+                          "dtype='float32' or 'bfloat16', or convert them with "
+                          "precision.with_precision(params, 'float32')")  # fmt: skip
+
+
 def wte_rows(params: Params, ids: jax.Array) -> jax.Array:
     """ids [...] -> their rows of the tied embedding [..., D] float32 (an int8 wte's times their scales)."""
     if is_packed(params):

@@ -111,9 +111,14 @@ def _head_fwd(h, wte, targets):
     return _head(h, wte, targets, grads=True)  # (loss, the gradients the backward scales)
 
 
+def _scaled(grads, g):
+    """(dh, dwte) times the loss's cotangent g (a float32 scalar), each kept in its primal's dtype: a custom VJP
+    must give bfloat16 params bfloat16 gradients, and bfloat16 x float32 would promote."""
+    return tuple((d * g).astype(d.dtype) for d in grads)
+
+
 def _head_bwd(grads, g):
-    dh, dwte = grads
-    return dh * g, dwte * g, None
+    return *_scaled(grads, g), None
 
 
 head_loss.defvjp(_head_fwd, _head_bwd)
@@ -132,8 +137,7 @@ def _weighted_fwd(h, wte, targets, weights):
 
 
 def _weighted_bwd(grads, g):
-    dh, dwte = grads
-    return dh * g, dwte * g, None, None
+    return *_scaled(grads, g), None, None
 
 
 weighted_head_loss.defvjp(_weighted_fwd, _weighted_bwd)

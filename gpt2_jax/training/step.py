@@ -20,7 +20,7 @@ from gpt2_jax.errors import ConfigError
 from gpt2_jax.model.axes import constrain, mesh_of, on_mesh
 from gpt2_jax.model.gpt2 import trunk
 from gpt2_jax.model.layers import layer_norm
-from gpt2_jax.model.params import MATMULS, Params, stack_layers
+from gpt2_jax.model.params import MATMULS, Params, check_trainable, stack_layers
 from gpt2_jax.training.loss_head import head_loss
 
 
@@ -99,7 +99,9 @@ def make_optimizer(h: Hyper) -> optax.GradientTransformation:
 
 def init_state(params: Params, optimizer: optax.GradientTransformation) -> TrainState:
     """Step 0 for these params. The state holds its own copy of them: the train step donates the state
-    (updates it in place), which must not delete the caller's params."""
+    (updates it in place), which must not delete the caller's params. float32 and bfloat16 params train;
+    int8, w8a8 and float32-packed ones (gpt2_jax.model.precision) are for inference and are refused here."""
+    check_trainable(params)
     params = jax.tree.map(jnp.copy, params)
     return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
 
