@@ -32,7 +32,7 @@ from gpt2_jax.checkpoints import native
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import ConfigError, GPT2JaxError, InputError
 from gpt2_jax.generation import bucket, encoding, generate
-from gpt2_jax.model.params import Params, stack_layers, unstack_layers
+from gpt2_jax.model.params import Params, check_trainable, float_dtype, stack_layers, unstack_layers
 from gpt2_jax.rl.objective import Objective, group_advantages
 from gpt2_jax.rl.plots import plot_rewards
 from gpt2_jax.rl.rewards import Reward, score
@@ -110,6 +110,18 @@ def _check(group_size: int, per_step: int, epochs: int, steps: int, sampling: An
         raise ConfigError("sampling.seed must be None: the loop keys every step itself (fold_in(key, step))")
 
 
+def _check_params(params: Params, ref_params: Params | None) -> None:
+    """float32 params only: the sampler's and the trainer's logprobs are the same bits in float32 (the model's
+    prefill/decode invariance), while bfloat16's cached decode and full forward round differently, so a
+    bfloat16 run would be off-policy by its rounding from the first step."""
+    check_trainable(params)
+    for name, p in (("params", params), ("ref_params", ref_params)):
+        if p is not None and float_dtype(p) != jnp.float32:
+            raise ConfigError(f"rl.grpo needs float32 {name}, got {float_dtype(p)}: exactly on-policy scoring holds "
+                              "in float32; load with gpt2_jax.load(path, dtype='float32') or cast with "
+                              "gpt2_jax.precision.with_precision(params, 'float32')")  # fmt: skip
+
+
 def grpo(
     params: Params,
     config: GPT2Config,
@@ -143,6 +155,7 @@ def grpo(
     callback(step, params, record): after each step, with the params the next step samples from."""
     per_step = min(len(prompts), 4) if prompts_per_step is None else prompts_per_step
     _check(group_size, per_step, epochs, steps, sampling)
+    _check_params(params, ref_params)
     objective = objective.check()
     texts, ids = prompt_rows(prompts, tokenizer)
     if not callable(reward):
