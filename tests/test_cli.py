@@ -4,6 +4,7 @@ seeds, --help defaults, the persistent compilation cache."""
 import io
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +22,7 @@ from tests.reference import make_hf_model
 
 SUMMARY = re.compile(
     r"^gpt2-jax: \d+ tokens in [\d.]+ s \([\d.]+ tokens/s\), compile [\d.]+ s, KV cache [\d.]+ [KM]iB, "
-    r"seed \d+(; --seed \d+ reproduces this)?$"
+    r"(seed \d+(; --seed \d+ reproduces this)?|greedy \(no seed needed\))$"
 )
 
 
@@ -144,6 +145,47 @@ def test_no_seed_draws_one_and_prints_how_to_reproduce(hf_dir, capsys):
     code, again, err = run(capsys, *args, "--seed", seed.group(1))
     assert code == 0 and again == drawn
     assert err.strip().endswith(f"seed {seed.group(1)}")  # given, so nothing to add
+
+
+def test_greedy_runs_need_no_seed(hf_dir, capsys):
+    """temperature 0 (and beam search without --do-sample) draws nothing: the summary says so instead of
+    offering a --seed that changes nothing."""
+    for extra in (["--temperature", "0"], ["--num-beams", "2"]):
+        code, _, err = run(capsys, "generate", "--model", str(hf_dir), "--prompt", "Hello", "--max-new-tokens", "4",
+                           *extra)  # fmt: skip
+        assert code == 0 and err.strip().endswith("greedy (no seed needed)"), err
+        assert "reproduces this" not in err
+
+
+def readme_block(heading: str) -> list[str]:
+    """The command lines of the first bash block under a README heading."""
+    text = (Path(__file__).parent.parent / "README.md").read_text()
+    block = text.split(f"## {heading}\n", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    return [line for line in block.splitlines() if line.strip()]
+
+
+def test_readme_commands_install_and_create_what_they_use(tmp_path):
+    """The first command installs the serve extra the Serve section's command needs, and the RL section creates
+    the prompts file its command reads, with prompts as the rl command parses them."""
+    from gpt2_jax.cli.rl import read_prompts
+
+    install = readme_block("Install and run")[0]
+    assert re.search(r"pip install -e '\.\[[^]]*\bserve\b", install), install
+    assert readme_block("Serve")[0].startswith("gpt2-jax serve")
+    create, command = readme_block("Reinforcement learning")
+    subprocess.run(["bash", "-c", create], cwd=tmp_path, check=True)
+    args = build_parser().parse_args(shlex.split(command)[1:])
+    assert read_prompts(str(tmp_path / args.prompts)) == ["ROMEO:\n", "JULIET:\n", "KING HENRY.\n", "First Citizen:\n"]
+
+
+def test_version(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as done:
+        build_parser().parse_args(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"gpt2-jax {version('gpt2-jax')} (jax {jax.__version__}, jaxlib " \
+        f"{version('jaxlib')})"  # fmt: skip
 
 
 @pytest.mark.parametrize("argv,option,default", [

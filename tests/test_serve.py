@@ -291,6 +291,20 @@ def test_seeds_replay(server, model):
     assert_matches(again, expected(model, model[2].encode("O"), seed, 0, 16), model[2])
 
 
+def test_one_seed_one_text_from_the_cli_and_the_server(server, model, capsys):
+    """`gpt2-jax generate --seed 7` and a request with seed 7 and the same settings give the same text: both
+    default to float32 on a CPU, whatever the bundled model stores (bfloat16)."""
+    from gpt2_jax.cli import main
+
+    prompt, settings = "JULIET:", dict(max_tokens=16, seed=7, temperature=0.9)
+    assert main(["generate", "--prompt", prompt, "--max-new-tokens", "16", "--seed", "7", "--temperature", "0.9",
+                 "--no-compile-cache"]) == 0  # fmt: skip
+    cli_text = capsys.readouterr().out
+    served = plain(server.client().completions.create(model=MODEL, prompt=prompt, **settings))[0]["text"]
+    assert cli_text == prompt + served + "\n"
+    assert served == expected(model, model[2].encode(prompt), 7, 0, 16, temperature=0.9).text
+
+
 def test_echo_and_prompt_logprobs(server, model):
     enc = model[2]
     client = server.client()

@@ -87,20 +87,34 @@ class TextStream:
             self._show(final=True)
 
 
+def _greedy(args: argparse.Namespace) -> bool:
+    """Whether the run draws nothing: temperature 0, or beam search without --do-sample."""
+    return not args.do_sample if args.num_beams is not None else args.temperature == 0
+
+
 def _summary(n_tokens: int, seconds: float, compile_s: float, cache_bytes: int, args: argparse.Namespace) -> None:
     rate = n_tokens / seconds if seconds > 0 else float("inf")
     size = f"{cache_bytes / 2**20:.1f} MiB" if cache_bytes >= 2**20 else f"{cache_bytes / 2**10:.1f} KiB"
-    seed = f"seed {args.seed}; --seed {args.seed} reproduces this" if args.seed_drawn else f"seed {args.seed}"
+    if _greedy(args):
+        seed = "greedy (no seed needed)"
+    else:
+        seed = f"seed {args.seed}; --seed {args.seed} reproduces this" if args.seed_drawn else f"seed {args.seed}"
     print(f"gpt2-jax: {n_tokens} tokens in {seconds:.2f} s ({rate:.1f} tokens/s), compile {compile_s:.2f} s, "
           f"KV cache {size}, {seed}", file=sys.stderr)  # fmt: skip
 
 
 def load_model(args: argparse.Namespace, mesh):
-    """--model (default: the bundled one) in --dtype, on --mesh."""
+    """--model (default: the bundled one) in --dtype, on --mesh. generate and serve share this, and so their
+    default: float32 on a CPU, whatever the checkpoint stores (exact, and fast there), so one --seed gives one
+    text from either; elsewhere the stored dtype. args.dtype is set to what was chosen."""
+    import jax
+
     from gpt2_jax import load, precision
     from gpt2_jax.checkpoints import resolve_model
     from gpt2_jax.parallel import shard_params
 
+    if args.dtype is None and jax.default_backend() == "cpu":
+        args.dtype = "float32"
     if args.model is None and not BUNDLED_MODEL.is_dir():
         raise GPT2JaxError(f"no --model given and the bundled model {BUNDLED_MODEL} is missing")
     params, config = load(resolve_model(args.model) if args.model else BUNDLED_MODEL, dtype=args.dtype, mesh=mesh,

@@ -20,9 +20,21 @@ from gpt2_jax.cli.help import HelpFormatter
 from gpt2_jax.errors import GPT2JaxError
 
 
+def _version() -> str:
+    """gpt2-jax's installed version, with the jax it runs on."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        mine = version("gpt2-jax")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        mine = "unknown (not installed)"
+    return f"gpt2-jax {mine} (jax {jax.__version__}, jaxlib {version('jaxlib')})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line's parser (gpt2-jax generate|convert|train|data|serve|rl)."""
     parser = argparse.ArgumentParser(prog="gpt2-jax", description="GPT-2 in JAX: generate text, convert checkpoints")
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text from a prompt", formatter_class=HelpFormatter)
     gen.add_argument("--model", default=None,
@@ -36,7 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
     _processor_args(gen)
     _beam_args(gen)
     gen.add_argument(
-        "--seed", type=int, default=None, help="sampling seed (default: a random one, printed in the summary line)"
+        "--seed",
+        type=int,
+        default=None,
+        help="sampling seed (default: a random one, printed in the summary line); "
+        "the server's request seed gives the same text with the same settings and --dtype",
     )
     gen.add_argument("--num-samples", type=int, default=1, help="samples of the same prompt, one batch")
     gen.add_argument("--stream", action="store_true", help="print text as it is generated")
@@ -44,7 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype",
         choices=["float32", "float32-packed", "bfloat16", "int8", "w8a8"],
         default=None,
-        help="cast the weights; float32-packed = float32's exact values in 3.5 bytes a weight (the same tokens, "
+        help="the weights' precision (default on a CPU: float32, whatever the checkpoint stores, as serve does, so "
+        "a --seed gives the server's text for that seed; elsewhere the stored dtype); "
+        "float32-packed = float32's exact values in 3.5 bytes a weight (the same tokens, "
         "faster at B=1 on a CPU); int8 = weight-only int8 blocks, w8a8 = the same weights with 8-bit matmul inputs "
         "(faster at a few rows on AVX512-VNNI, less exact), bfloat16 otherwise (gpt2_jax.model.precision)",
     )

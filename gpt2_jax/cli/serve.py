@@ -128,7 +128,6 @@ def run_serve(args: argparse.Namespace) -> int:
         from gpt2_jax.serving import create_app
     except ImportError as e:
         raise GPT2JaxError(f"gpt2-jax serve needs fastapi and uvicorn: pip install 'gpt2-jax[serve]' ({e})") from None
-    import jax
 
     from gpt2_jax.model import KEY_BLOCK, float_dtype, pool_bytes
     from gpt2_jax.parallel import parse_mesh
@@ -161,8 +160,6 @@ def run_serve(args: argparse.Namespace) -> int:
     engine, stopping, compiler = None, [], None
     try:
         mesh = parse_mesh(args.mesh) if args.mesh else None
-        if args.dtype is None and jax.default_backend() == "cpu":
-            args.dtype = "float32"
         params, config = load_model(args, mesh)
         compiler = ConstraintCompiler(args.constraint_timeout, args.max_constraint_states)
         starting = threading.Thread(target=compiler.start, daemon=True)  # its child starts while we compile
