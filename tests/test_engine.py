@@ -169,6 +169,36 @@ def test_a_stopped_engine_is_freed_with_its_threads(model):
     assert set(threading.enumerate()) <= before
 
 
+def test_warm_up_freezes_the_heap_the_idle_engine_refreezes_and_stop_thaws(model):
+    """A full garbage collection scans every object the collector tracks while holding the GIL: over the objects
+    loading and compiling leave behind, it is a gap in every stream, and a first burst of requests triggers one.
+    warm_up freezes them (serving.memory.freeze_heap), and the engine freezes again when it goes idle after more
+    programs were built, so a collection scans only what was made since. stop() thaws the heap, so a dropped
+    engine can still be collected."""
+    import gc
+    import time
+
+    from gpt2_jax.serving import warm_up
+
+    params, config, enc = model
+    engine = Engine(params, config, max_batch=2, max_queue=2, max_seq=64).start()
+    try:
+        warm_up(engine, constrained=False, echo=False)
+        assert len(gc.get_objects()) < 10_000 < gc.get_freeze_count()
+        built = len(engine.programs.built)
+        engine.programs.wait([("decode+top", 1)] if not engine.want(("decode+top", 1)) else [])
+        req, rec = request(enc.encode("ROMEO:"), 4, 0, {}, top=2)  # runs the decode step built since warm_up
+        engine.submit(req)
+        deadline = time.monotonic() + 120
+        while engine.frozen_programs != len(engine.programs.built) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(engine.programs.built) > built and engine.frozen_programs == len(engine.programs.built)
+        assert rec.end is not None and len(gc.get_objects()) < 10_000
+    finally:
+        engine.stop()
+    assert gc.get_freeze_count() == 0
+
+
 def test_no_request_stalls_the_others_while_its_programs_or_its_constraint_compile(model):
     """A request whose prompt bucket is not compiled yet waits while the compiler thread builds its prefill; a
     request with a JSON-schema constraint (seconds of outlines-core) waits while the constraint compiler's

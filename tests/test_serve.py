@@ -148,6 +148,10 @@ def test_health_models_and_metrics(server):
     assert m['gpt2_jax_time_to_first_token_seconds_bucket{le="+Inf"}'] >= 1
     assert m["gpt2_jax_request_latency_seconds_count"] >= 1
     assert m['gpt2_jax_requests_total{status="200"}'] >= 1
+    # the collector ran (a request allocates far past its threshold), and its longest pause is in the histogram
+    longest, pauses = m["gpt2_jax_gc_longest_pause_seconds"], m["gpt2_jax_gc_pause_seconds_count"]
+    assert pauses >= 1 and 0 < longest <= m["gpt2_jax_gc_pause_seconds_sum"]
+    assert m['gpt2_jax_gc_pause_seconds_bucket{le="+Inf"}'] == pauses
     assert server.logged(r"cmpl-\w+ 200 prompt_tokens=3 completion_tokens=5 finish=length latency="), server.log()
 
 

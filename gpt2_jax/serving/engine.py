@@ -35,7 +35,7 @@ from gpt2_jax.model import KEY_BLOCK, Params
 from gpt2_jax.sampling import constraints
 from gpt2_jax.serving.blocks import BlockPool
 from gpt2_jax.serving.engine_programs import EnginePrograms
-from gpt2_jax.serving.memory import release_free_memory
+from gpt2_jax.serving.memory import freeze_heap, release_free_memory, thaw_heap
 from gpt2_jax.serving.rows import Cancelled, QueueFull, Request, Slot, fixed_processors
 from gpt2_jax.serving.rows import tell as _tell
 from gpt2_jax.serving.state import EngineState
@@ -88,6 +88,7 @@ class Engine(EnginePrograms):
         self.abort_at: float | None = None
         self.thread: threading.Thread | None = None
         self.generated_tokens = self.prefill_tokens = self.admitted = 0
+        self.frozen_programs = -1  # how many programs were built when settle_heap last froze the heap
         self._reset()
         EnginePrograms.__init__(self, on_compiled)
 
@@ -322,10 +323,18 @@ class Engine(EnginePrograms):
             if not busy:
                 if worked:  # just went idle: hand the heap's free pages back (serving.memory)
                     release_free_memory()
+                    self.settle_heap()
                     worked = False
                 with self.lock:
                     if self.running:
                         self.lock.wait(timeout=0.1)
+
+    def settle_heap(self) -> None:
+        """Freeze the heap (serving.memory.freeze_heap) if programs were built since it was last frozen."""
+        built = len(self.programs.built)
+        if built != self.frozen_programs:
+            freeze_heap()
+            self.frozen_programs = built
 
     def start(self) -> Engine:
         self.running = True
@@ -353,6 +362,7 @@ class Engine(EnginePrograms):
             self.lock.notify_all()
             thread, self.thread = self.thread, None
         self.programs.close()  # its compiler thread would otherwise keep this engine and its programs alive
+        thaw_heap()  # frozen, this engine's cycles could never be collected once it is dropped
         if thread is None:
             return
         thread.join()  # a step is milliseconds to seconds; the loop checks `running` after each

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import os
 import sys
 import time
@@ -120,3 +121,21 @@ def release_free_memory() -> None:
         _MALLCTL(f"arena.{MALLCTL_ARENAS_ALL}.purge".encode(), None, None, None, ctypes.c_size_t(0))
     elif _LIBC is not None:
         _LIBC.malloc_trim(0)
+
+
+def freeze_heap() -> None:
+    """Collect once, then move every object alive now into the collector's permanent generation (gc.freeze).
+    Loading and compiling leave hundreds of thousands of long-lived objects (jaxprs, traced functions, the
+    compiled programs' Python side), and a full collection scans them all while holding the GIL: every thread,
+    the engine's decode steps and the event loop, waits it out, a gap in every stream. The allocations of a
+    first burst of requests trigger one. Frozen objects are never scanned again, so later collections scan only
+    what requests made. The engine calls this when it goes idle after new programs were built, where the
+    collection delays no token."""
+    gc.collect()
+    gc.freeze()
+
+
+def thaw_heap() -> None:
+    """Undo freeze_heap (gc.unfreeze): every frozen object is scanned again, so a stopped engine's objects, once
+    dropped, can be collected. The engine calls this when it stops."""
+    gc.unfreeze()

@@ -66,4 +66,5 @@ def warm_up(engine: Engine, *, constrained: bool = True, echo: bool = True, wait
         _run_one(engine, SamplingParams(max_new_tokens=1, constraint=c), timeout)
     if wait_all:
         engine.programs.wait(engine.programs.pending(), timeout)
+    engine.settle_heap()  # before the first request, not in the middle of a burst (serving.memory.freeze_heap)
     return time.perf_counter() - t0
