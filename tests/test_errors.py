@@ -1,6 +1,7 @@
 """Bad input: each gives a clear error naming the problem, and no partial output."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,15 @@ import torch
 import gpt2_jax
 from gpt2_jax import CheckpointError, ConfigError, InputError
 from gpt2_jax.cli.convert import main as convert_main
-from tests.reference import hf_state, make_hf_model, save_bin_dir, saved_and_loaded
+from tests.reference import (
+    bounded,
+    hf_state,
+    make_hf_model,
+    save_bin_dir,
+    save_nanogpt,
+    save_sharded_bin_dir,
+    saved_and_loaded,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPE = dict(n_layer=2, n_head=2, n_embd=32, vocab_size=50, n_positions=16)
@@ -28,6 +37,12 @@ def model():
 def hf_dir(model, tmp_path):
     model.save_pretrained(tmp_path / "hf")
     return tmp_path / "hf"
+
+
+def edit(path: Path, **changes) -> Path:
+    """A JSON file with some keys changed."""
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+    return path
 
 
 def write_state(hf_dir: Path, state: dict) -> Path:
@@ -55,6 +70,58 @@ def test_wrong_shape_names_key_and_both_shapes(model, hf_dir):
     state["transformer.h.1.attn.c_attn.weight"] = torch.zeros(96, 32)  # transposed
     with pytest.raises(CheckpointError, match=r"h.1.attn.c_attn.weight has shape \(96, 32\), expected \(32, 96\)"):
         gpt2_jax.load(write_state(hf_dir, state))
+
+
+# A config field at odds with the tensors (the model's n_layer 2, n_embd 32, vocab 50, n_positions 16, F 128):
+# each error names the config's file, the field and value, the weight file and the tensor's shape.
+DISAGREEING = [
+    ("n_layer", 10**9, r"n_layer=1000000000, but \S+ holds 2 blocks"),
+    ("n_embd", 64, r"n_embd=64, but \S+ holds wte\.weight of shape \(50, 32\) \(expected \(50, 64\)\)"),
+    ("vocab_size", 60, r"vocab_size=60, but \S+ holds wte\.weight of shape \(50, 32\) \(expected \(60, 32\)\)"),
+    ("n_positions", 2048, r"n_positions=2048, but \S+ holds wpe\.weight of shape \(16, 32\)"),
+    ("n_inner", 100, r"n_inner=100, but \S+ holds h\.0\.mlp\.c_fc\.weight of shape \(32, 128\) \(expected \(32, 100\)\)"),
+]  # fmt: skip
+
+
+def hf_layout(model, root: Path, layout: str) -> tuple[Path, Path]:
+    """(the path to load, its config.json) for each HuggingFace layout."""
+    if layout == "bin":
+        return save_bin_dir(model, root / "hf"), root / "hf" / "config.json"
+    if layout == "sharded":
+        return save_sharded_bin_dir(model, root / "hf"), root / "hf" / "config.json"
+    model.save_pretrained(root / "hf")
+    return root / "hf" / ("model.safetensors" if layout == "file" else ""), root / "hf" / "config.json"
+
+
+@pytest.mark.parametrize("layout", ["safetensors", "bin", "sharded", "file"])
+@pytest.mark.parametrize("field,value,says", DISAGREEING)
+def test_config_at_odds_with_the_tensors_is_named_before_sizing(model, tmp_path, layout, field, value, says):
+    path, config_json = hf_layout(model, tmp_path, layout)
+    edit(config_json, **{field: value})
+    with bounded(seconds=10), pytest.raises(CheckpointError, match=re.escape(f"{config_json}: ") + says):
+        gpt2_jax.load(path)
+
+
+@pytest.mark.parametrize("field,value,says", [d if d[0] != "n_positions" else ("block_size", *d[1:])
+                                              for d in DISAGREEING if d[0] != "n_inner"])  # fmt: skip
+def test_nanogpt_model_args_at_odds_with_the_tensors(model, tmp_path, field, value, says):
+    path = save_nanogpt(model, tmp_path / "out" / "ckpt.pt")
+    ckpt = torch.load(path, weights_only=True)
+    ckpt["model_args"][field] = value
+    torch.save(ckpt, path)
+    with bounded(seconds=10), pytest.raises(CheckpointError, match=re.escape(f"{path} model_args: ") + says):
+        gpt2_jax.load(path.parent)
+
+
+@pytest.mark.parametrize("field,value,says", [
+    ("n_layer", 10**9, r"gpt2_jax\.json: n_layer=1000000000, but \S+/params holds 2 layers"),
+    ("n_embd", 64, r"gpt2_jax\.json: n_embd=64, but \S+/params holds wte\.weight of shape \(50, 32\)"),
+])  # fmt: skip
+def test_native_config_at_odds_with_the_tensors(hf_dir, tmp_path, field, value, says):
+    gpt2_jax.convert(hf_dir, tmp_path / "native")
+    edit(tmp_path / "native" / "gpt2_jax.json", **{field: value})
+    with bounded(seconds=10), pytest.raises(CheckpointError, match=says):
+        gpt2_jax.load(tmp_path / "native")
 
 
 def test_untied_lm_head(model, hf_dir):

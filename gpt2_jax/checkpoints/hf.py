@@ -18,6 +18,7 @@ from gpt2_jax.checkpoints import lazy, torch_files
 from gpt2_jax.checkpoints.lazy import Lazy
 from gpt2_jax.config import HF_ACTIVATIONS, PRESETS, GPT2Config
 from gpt2_jax.errors import CheckpointError, ConfigError
+from gpt2_jax.model.checks import layer_count
 
 WEIGHT_FILES = (
     "model.safetensors",
@@ -157,14 +158,18 @@ def infer_config(flat: dict[str, np.ndarray], source: str) -> GPT2Config:
     for key in ("wte.weight", "wpe.weight", "h.0.mlp.c_fc.weight"):
         if key not in flat:
             raise CheckpointError(f"{source}: missing tensor {key}, cannot infer the model's shape")
+        if len(flat[key].shape) != 2:
+            raise CheckpointError(f"{source}: tensor {key} has shape {tuple(flat[key].shape)}, expected a matrix")
     V, D = flat["wte.weight"].shape
-    layers = {int(m.group(1)) for k in flat if (m := re.match(r"h\.(\d+)\.", k))}
     heads = {c.n_embd: c.n_head for c in PRESETS.values()}.get(D, max(D // 64, 1))
     F = flat["h.0.mlp.c_fc.weight"].shape[1]
-    return GPT2Config(
-        vocab_size=V, n_positions=flat["wpe.weight"].shape[0], n_embd=D, n_layer=max(layers) + 1,
-        n_head=heads, n_inner=None if F == 4 * D else F, bias="ln_f.bias" in flat,
-    )  # fmt: skip
+    try:
+        return GPT2Config(
+            vocab_size=V, n_positions=flat["wpe.weight"].shape[0], n_embd=D, n_layer=layer_count(flat, source),
+            n_head=heads, n_inner=None if F == 4 * D else F, bias="ln_f.bias" in flat,
+        )  # fmt: skip
+    except ConfigError as e:
+        raise CheckpointError(f"{source}: the shapes give no valid config ({e})") from None
 
 
 def write_dir(flat: dict[str, np.ndarray], config: GPT2Config, dst: Path) -> None:

@@ -19,7 +19,8 @@ from gpt2_jax.checkpoints.atomic import atomic_dir
 from gpt2_jax.checkpoints.host_buffers import host_buffer, prefetching
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import CheckpointError, GPT2JaxError
-from gpt2_jax.model.params import Params, _set, check_tree, dotted, stack_layers, unstack_layers
+from gpt2_jax.model.checks import check_tree
+from gpt2_jax.model.params import Params, _set, dotted, stack_layers, unstack_layers
 from gpt2_jax.model.precision import drop_row_sums
 
 CONFIG_FILE = "gpt2_jax.json"
@@ -204,7 +205,7 @@ def restore(
         stored = ckptr.metadata(path / PARAMS_DIR).item_metadata.tree
     except Exception as e:
         raise _error(path / PARAMS_DIR, e) from None
-    check_tree(stored, config, str(path / PARAMS_DIR))
+    check_tree(stored, config, str(path / PARAMS_DIR), str(path / CONFIG_FILE))
     if mesh is not None:
         check_mesh(config, mesh)
         shardings = param_shardings(stored, config, mesh)
