@@ -124,6 +124,23 @@ def test_native_config_at_odds_with_the_tensors(hf_dir, tmp_path, field, value, 
         gpt2_jax.load(tmp_path / "native")
 
 
+@pytest.mark.parametrize("field,value,allowed", [
+    ("layer_norm_epsilon", float("nan"), r"a finite number in \(0, 1\), got nan"),
+    ("layer_norm_epsilon", -1e-5, r"a finite number in \(0, 1\), got -1e-05"),
+    ("layer_norm_epsilon", 0, r"a finite number in \(0, 1\), got 0"),
+    ("n_inner", "128", r"an int in \[1, 2147483647\] or None, got '128'"),
+    ("eos_token_id", "49", r"an int or None, got '49'"),
+    ("scale_attn_weights", "false", r"true or false, got 'false'"),
+    ("attn_pdrop", None, r"a dropout rate, in \[0, 1\), got None"),
+])  # fmt: skip
+def test_config_json_value_out_of_range_names_file_field_and_range(hf_dir, field, value, allowed):
+    edit(hf_dir / "config.json", **{field: value})
+    with pytest.raises(
+        ConfigError, match=re.escape(f"{hf_dir / 'config.json'}: GPT2Config.{field} must be ") + allowed
+    ):
+        gpt2_jax.load(hf_dir)
+
+
 def test_untied_lm_head(model, hf_dir):
     state = hf_state(model, lm_head=True)
     state["lm_head.weight"] = state["lm_head.weight"].clone() + 1

@@ -57,9 +57,12 @@ def is_checkpoint(path: Path) -> bool:
 
 def read_config(path: Path) -> GPT2Config:
     try:
-        return GPT2Config.from_dict(json.loads((path / CONFIG_FILE).read_text()))
-    except ValueError as e:
-        raise CheckpointError(f"{path / CONFIG_FILE}: invalid config ({e})") from None
+        d = json.loads((path / CONFIG_FILE).read_bytes())
+        if not isinstance(d, dict):
+            raise ValueError(f"expected a JSON object, found {type(d).__name__}")
+        return GPT2Config.from_dict(d)
+    except (ValueError, RecursionError) as e:  # RecursionError: thousands of nested brackets
+        raise CheckpointError(f"{path / CONFIG_FILE}: invalid config ({str(e)[:300]})") from None
 
 
 def _error(path: Path, e: Exception) -> CheckpointError:
