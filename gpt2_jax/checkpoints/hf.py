@@ -26,6 +26,12 @@ WEIGHT_FILES = (
     "pytorch_model.bin",
     "pytorch_model.bin.index.json",
 )
+# Everything a HuggingFace GPT-2 directory holds that write_dir or save_pretrained write (shards included):
+# the entries a directory may hold for convert --force to replace it.
+FILES = (
+    "config.json", "generation_config.json", *WEIGHT_FILES, "model-*-of-*.safetensors", "pytorch_model-*-of-*.bin",
+    "vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+)  # fmt: skip
 _BUFFER = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)$")
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from gpt2_jax.checkpoints import hf
 from gpt2_jax.checkpoints.atomic import atomic_dir
 from gpt2_jax.checkpoints.host_buffers import host_buffer, prefetching
 from gpt2_jax.config import GPT2Config
@@ -25,6 +26,8 @@ from gpt2_jax.model.precision import drop_row_sums
 
 CONFIG_FILE = "gpt2_jax.json"
 PARAMS_DIR = "params"
+# What save() and convert --force may replace: a directory holding only a checkpoint of either format.
+CHECKPOINT_FILES = (CONFIG_FILE, PARAMS_DIR, *hf.FILES)
 
 
 def _checkpointer():
@@ -39,10 +42,10 @@ def _checkpointer():
 
 def save(dst: str | Path, params: Params, config: GPT2Config, *, force: bool = False) -> Path:
     """Write params (per-layer or stacked; stored stacked) + config to dst atomically; an existing dst is
-    replaced only with force=True."""
+    replaced only with force=True, and only where it is a checkpoint (CHECKPOINT_FILES) or empty."""
     dst = Path(dst).absolute()
     params = stack_layers(drop_row_sums(params))  # w8a8 is stored as int8's weights (its row sums come back on load)
-    with atomic_dir(dst, force) as tmp:
+    with atomic_dir(dst, force, CHECKPOINT_FILES) as tmp:
         if jax.process_index() == 0:  # with several processes: one config file, every process's shards
             (tmp / CONFIG_FILE).write_text(config.to_json())
         import orbax.checkpoint as ocp
