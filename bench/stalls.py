@@ -30,9 +30,9 @@ import urllib.request
 from machine import describe
 
 
-def start(cache: str, model: str | None, port_file: list) -> tuple[subprocess.Popen, float, list]:
+def start(cache: str, model: str | None, port_file: list, extra: list = ()) -> tuple[subprocess.Popen, float, list]:
     env = {**os.environ, "GPT2_JAX_COMPILATION_CACHE": cache}
-    cmd = [sys.executable, "-m", "gpt2_jax", "serve", "--port", "0", "--max-batch", "8", "--max-seq", "256"]
+    cmd = [sys.executable, "-m", "gpt2_jax", "serve", "--port", "0", "--max-batch", "8", "--max-seq", "256", *extra]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd + (["--model", model] if model else []), stderr=subprocess.PIPE, text=True, env=env)
     lines: list = []
