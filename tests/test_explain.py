@@ -97,3 +97,17 @@ def test_bad_input_is_refused_clearly(model):
         explain_data(params, config, PROMPT, "layer", layer=config.n_layer)
     with pytest.raises(GPT2JaxError, match="top_p"):
         explain_data(params, config, PROMPT, "sampling", settings={"top_p": 0})
+
+
+def test_twelve_layers_of_gpt2_small_widths():
+    """A random checkpoint of gpt2-small's shape: the last block's pattern, scores and MLP are
+    run_with_cache's bits, with 64 tokens in the 64 bucket."""
+    import jax
+
+    config = gpt2_jax.PRESETS["gpt2"]
+    params = gpt2_jax.init_params(jax.random.key(0), config)
+    ids = [int(t) for t in np.random.RandomState(0).randint(0, config.vocab_size, 64)]
+    _, cache = gpt2_jax.run_with_cache(params, np.array([ids]), config, names=lambda n: n.startswith("blocks.11."))
+    v = explain_data(params, config, ids, "layer", layer=11)
+    for name, point in (("stage_softmax", "attn.hook_pattern"), ("mlp_post", "mlp.hook_post"), ("v", "attn.hook_v")):
+        assert np.array_equal(bits(decode_array(v[name])), bits(cache[f"blocks.11.{point}"][0])), name
