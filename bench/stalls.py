@@ -37,11 +37,11 @@ from machine import describe
 
 
 def start(
-    cache: str, model: str | None, port_file: list, allocator: str = "auto"
+    cache: str, model: str | None, port_file: list, allocator: str = "auto", extra: list = ()
 ) -> tuple[subprocess.Popen, float, list]:
     env = {**os.environ, "GPT2_JAX_COMPILATION_CACHE": cache}
     cmd = [sys.executable, "-m", "gpt2_jax", "serve", "--port", "0", "--max-batch", "8", "--max-seq", "256",
-           "--allocator", allocator]  # fmt: skip
+           "--allocator", allocator, *extra]  # fmt: skip
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd + (["--model", model] if model else []), stderr=subprocess.PIPE, text=True, env=env)
     lines: list = []

@@ -17,6 +17,36 @@ from gpt2_jax.errors import ConfigError
 HF_ACTIVATIONS = {"gelu_new": True, "gelu_pytorch_tanh": True, "gelu_fast": True, "gelu": False}
 
 
+# Sizes are counts of rows, positions and token ids, which JAX indexes with int32.
+MAX_SIZE = 2**31 - 1
+_SIZES = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner", "n_valid_tokens")
+_FLAGS = ("gelu_approximate", "bias", "scale_attn_weights", "scale_attn_by_inverse_layer_idx")
+
+
+def _real(value: Any) -> bool:
+    """An int or float that is not a bool (True would pass as 1)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def shown(value: Any) -> str:
+    """repr(value) cut to a readable length (a config file may hold a megabyte string, or an int too
+    long for Python to print)."""
+    try:
+        text = repr(value)
+    except ValueError:
+        return f"an int of {value.bit_length()} bits"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _check(name: str, ok: bool, allowed: str, value: Any) -> None:
+    if not ok:
+        raise ConfigError(f"GPT2Config.{name} must be {allowed}, got {shown(value)}")
+
+
 @dataclasses.dataclass(frozen=True)
 class GPT2Config:
     """Hyper-parameters of a GPT-2 model. Frozen and hashable, so it can be a static jit argument."""
@@ -44,14 +74,19 @@ class GPT2Config:
     resid_pdrop: float = 0.1
 
     def __post_init__(self):
-        for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"GPT2Config.{name} must be a positive int, got {value!r}")
+        for name in _SIZES:
+            value, optional = getattr(self, name), name in ("n_inner", "n_valid_tokens")
+            ok = (value is None and optional) or (_int(value) and 1 <= value <= MAX_SIZE)
+            _check(name, ok, f"an int in [1, {MAX_SIZE}]" + (" or None" if optional else ""), value)
+        for name in _FLAGS:
+            _check(name, isinstance(getattr(self, name), bool), "true or false", getattr(self, name))
         for name in ("embd_pdrop", "attn_pdrop", "resid_pdrop"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0.0 <= value < 1.0:
-                raise ConfigError(f"GPT2Config.{name} is a dropout rate, in [0, 1); got {value!r}")
+            _check(name, _real(value) and 0.0 <= value < 1.0, "a dropout rate, in [0, 1)", value)
+        eps = self.layer_norm_epsilon  # NaN and infinities fail the comparison
+        _check("layer_norm_epsilon", _real(eps) and 0.0 < eps < 1.0, "a finite number in (0, 1)", eps)
+        eos = self.eos_token_id
+        _check("eos_token_id", eos is None or _int(eos), "an int or None", eos)
         if self.n_embd % self.n_head:
             raise ConfigError(f"GPT2Config: n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         if self.n_valid_tokens is not None and not 0 < self.n_valid_tokens <= self.vocab_size:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import resource
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -180,3 +184,19 @@ def prepared_text(root: Path) -> Path:
         (root / "text" / f"play{i}.txt").write_text(" ".join(rng.choice(words, 3000)))
     prepare(root / "text", root / "prepared")
     return root / "prepared"
+
+
+@contextlib.contextmanager
+def bounded(seconds: float = 10.0, headroom: int = 1 << 30) -> Iterator[None]:
+    """Run the block with the address space capped at its size now plus headroom, so an unbounded
+    allocation fails with MemoryError instead of taking the machine's memory, and fail it if it
+    outlasts seconds (measured, not interrupted)."""
+    size = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmSize")) << 10
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (size + headroom, hard))
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+        assert time.perf_counter() - start < seconds, f"took {time.perf_counter() - start:.1f} s"

@@ -116,6 +116,15 @@ def test_convert_subcommand(hf_dir, capsys, tmp_path):
     assert params["wte"].dtype == np.dtype("bfloat16") or str(params["wte"].dtype) == "bfloat16"
 
 
+@pytest.mark.parametrize("argv", [[], ["convert"]])
+def test_convert_help_names_no_repository_path(capsys, monkeypatch, argv):
+    monkeypatch.setenv("COLUMNS", "200")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*argv, "--help"])
+    text = capsys.readouterr().out
+    assert "convert" in text and not re.search(r"[\w/]+\.py\b", text), text  # an installed package has no convert/
+
+
 def test_python_dash_m_entry_point(tmp_path):
     out = subprocess.run([sys.executable, "-m", "gpt2_jax", "generate", "--model", str(tmp_path / "missing"),
                           "--prompt", "x"], capture_output=True, text=True)  # fmt: skip

@@ -1,3 +1,7 @@
+import dataclasses
+import math
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -96,6 +100,43 @@ def test_invalid_config_values():
     with pytest.raises(ConfigError, match="unknown GPT2Config fields"):
         GPT2Config.from_dict({"n_layers": 3})
     for bad in (1.0, -0.1, "0.1"):
-        with pytest.raises(ConfigError, match=r"attn_pdrop is a dropout rate, in \[0, 1\); got"):
+        with pytest.raises(ConfigError, match=r"attn_pdrop must be a dropout rate, in \[0, 1\), got"):
             GPT2Config(attn_pdrop=bad)
     assert GPT2Config(embd_pdrop=0, attn_pdrop=0.0, resid_pdrop=0.999).resid_pdrop == 0.999
+
+
+SIZE = "an int in [1, 2147483647]"
+ALLOWED = {"vocab_size": SIZE, "n_positions": SIZE, "n_embd": SIZE, "n_layer": SIZE, "n_head": SIZE,
+           "n_inner": SIZE + " or None", "n_valid_tokens": SIZE + " or None",
+           "layer_norm_epsilon": "a finite number in (0, 1)", "eos_token_id": "an int or None",
+           "embd_pdrop": "a dropout rate, in [0, 1)", "attn_pdrop": "a dropout rate, in [0, 1)",
+           "resid_pdrop": "a dropout rate, in [0, 1)", "gelu_approximate": "true or false", "bias": "true or false",
+           "scale_attn_weights": "true or false", "scale_attn_by_inverse_layer_idx": "true or false"}  # fmt: skip
+
+
+def test_every_field_has_a_check():
+    assert set(ALLOWED) == {f.name for f in dataclasses.fields(GPT2Config)}
+
+
+@pytest.mark.parametrize("field,value", [
+    ("vocab_size", 2**31), ("n_positions", 0), ("n_embd", 48.0), ("n_layer", True), ("n_head", None),
+    ("n_inner", 0), ("n_inner", 1.5), ("n_valid_tokens", 5.5), ("n_valid_tokens", "7"),
+    ("layer_norm_epsilon", math.nan), ("layer_norm_epsilon", math.inf), ("layer_norm_epsilon", -1e-5),
+    ("layer_norm_epsilon", 0.0), ("layer_norm_epsilon", 1.0), ("layer_norm_epsilon", "1e-5"),
+    ("layer_norm_epsilon", True), ("eos_token_id", 1.0), ("eos_token_id", True), ("eos_token_id", [50256]),
+    ("embd_pdrop", math.nan), ("resid_pdrop", -0.1), ("gelu_approximate", 1), ("bias", "yes"),
+    ("scale_attn_weights", None), ("scale_attn_by_inverse_layer_idx", 0),
+])  # fmt: skip
+def test_a_bad_value_is_named_with_its_allowed_range(field, value):
+    with pytest.raises(ConfigError, match=re.escape(f"GPT2Config.{field} must be {ALLOWED[field]}, got {value!r}")):
+        GPT2Config(**{**dict(n_layer=2, n_head=2, n_embd=32, vocab_size=50, n_positions=16), field: value})
+
+
+def test_good_edge_values_pass_and_huge_ones_are_named_short():
+    config = GPT2Config(n_inner=None, n_valid_tokens=None, eos_token_id=None, layer_norm_epsilon=1e-12,
+                        vocab_size=2**31 - 1, attn_pdrop=0, n_embd=2**31 - 1, n_head=1)  # fmt: skip
+    assert config.eos_id is None and GPT2Config(eos_token_id=-1).eos_id is None
+    with pytest.raises(ConfigError, match=r"GPT2Config\.n_layer must be .*, got an int of 33220 bits$"):
+        GPT2Config(n_layer=10**10000)
+    with pytest.raises(ConfigError, match=r"got 'xxxxx+\.\.\.$"):
+        GPT2Config(bias="x" * 10**6)

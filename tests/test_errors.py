@@ -1,6 +1,7 @@
 """Bad input: each gives a clear error naming the problem, and no partial output."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,8 +13,15 @@ import torch
 
 import gpt2_jax
 from gpt2_jax import CheckpointError, ConfigError, InputError
-from gpt2_jax.cli.convert import main as convert_main
-from tests.reference import hf_state, make_hf_model, save_bin_dir, saved_and_loaded
+from tests.reference import (
+    bounded,
+    hf_state,
+    make_hf_model,
+    save_bin_dir,
+    save_nanogpt,
+    save_sharded_bin_dir,
+    saved_and_loaded,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPE = dict(n_layer=2, n_head=2, n_embd=32, vocab_size=50, n_positions=16)
@@ -28,6 +36,12 @@ def model():
 def hf_dir(model, tmp_path):
     model.save_pretrained(tmp_path / "hf")
     return tmp_path / "hf"
+
+
+def edit(path: Path, **changes) -> Path:
+    """A JSON file with some keys changed."""
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+    return path
 
 
 def write_state(hf_dir: Path, state: dict) -> Path:
@@ -55,6 +69,75 @@ def test_wrong_shape_names_key_and_both_shapes(model, hf_dir):
     state["transformer.h.1.attn.c_attn.weight"] = torch.zeros(96, 32)  # transposed
     with pytest.raises(CheckpointError, match=r"h.1.attn.c_attn.weight has shape \(96, 32\), expected \(32, 96\)"):
         gpt2_jax.load(write_state(hf_dir, state))
+
+
+# A config field at odds with the tensors (the model's n_layer 2, n_embd 32, vocab 50, n_positions 16, F 128):
+# each error names the config's file, the field and value, the weight file and the tensor's shape.
+DISAGREEING = [
+    ("n_layer", 10**9, r"n_layer=1000000000, but \S+ holds 2 blocks"),
+    ("n_embd", 64, r"n_embd=64, but \S+ holds wte\.weight of shape \(50, 32\) \(expected \(50, 64\)\)"),
+    ("vocab_size", 60, r"vocab_size=60, but \S+ holds wte\.weight of shape \(50, 32\) \(expected \(60, 32\)\)"),
+    ("n_positions", 2048, r"n_positions=2048, but \S+ holds wpe\.weight of shape \(16, 32\)"),
+    ("n_inner", 100, r"n_inner=100, but \S+ holds h\.0\.mlp\.c_fc\.weight of shape \(32, 128\) \(expected \(32, 100\)\)"),
+]  # fmt: skip
+
+
+def hf_layout(model, root: Path, layout: str) -> tuple[Path, Path]:
+    """(the path to load, its config.json) for each HuggingFace layout."""
+    if layout == "bin":
+        return save_bin_dir(model, root / "hf"), root / "hf" / "config.json"
+    if layout == "sharded":
+        return save_sharded_bin_dir(model, root / "hf"), root / "hf" / "config.json"
+    model.save_pretrained(root / "hf")
+    return root / "hf" / ("model.safetensors" if layout == "file" else ""), root / "hf" / "config.json"
+
+
+@pytest.mark.parametrize("layout", ["safetensors", "bin", "sharded", "file"])
+@pytest.mark.parametrize("field,value,says", DISAGREEING)
+def test_config_at_odds_with_the_tensors_is_named_before_sizing(model, tmp_path, layout, field, value, says):
+    path, config_json = hf_layout(model, tmp_path, layout)
+    edit(config_json, **{field: value})
+    with bounded(seconds=10), pytest.raises(CheckpointError, match=re.escape(f"{config_json}: ") + says):
+        gpt2_jax.load(path)
+
+
+@pytest.mark.parametrize("field,value,says", [d if d[0] != "n_positions" else ("block_size", *d[1:])
+                                              for d in DISAGREEING if d[0] != "n_inner"])  # fmt: skip
+def test_nanogpt_model_args_at_odds_with_the_tensors(model, tmp_path, field, value, says):
+    path = save_nanogpt(model, tmp_path / "out" / "ckpt.pt")
+    ckpt = torch.load(path, weights_only=True)
+    ckpt["model_args"][field] = value
+    torch.save(ckpt, path)
+    with bounded(seconds=10), pytest.raises(CheckpointError, match=re.escape(f"{path} model_args: ") + says):
+        gpt2_jax.load(path.parent)
+
+
+@pytest.mark.parametrize("field,value,says", [
+    ("n_layer", 10**9, r"gpt2_jax\.json: n_layer=1000000000, but \S+/params holds 2 layers"),
+    ("n_embd", 64, r"gpt2_jax\.json: n_embd=64, but \S+/params holds wte\.weight of shape \(50, 32\)"),
+])  # fmt: skip
+def test_native_config_at_odds_with_the_tensors(hf_dir, tmp_path, field, value, says):
+    gpt2_jax.convert(hf_dir, tmp_path / "native")
+    edit(tmp_path / "native" / "gpt2_jax.json", **{field: value})
+    with bounded(seconds=10), pytest.raises(CheckpointError, match=says):
+        gpt2_jax.load(tmp_path / "native")
+
+
+@pytest.mark.parametrize("field,value,allowed", [
+    ("layer_norm_epsilon", float("nan"), r"a finite number in \(0, 1\), got nan"),
+    ("layer_norm_epsilon", -1e-5, r"a finite number in \(0, 1\), got -1e-05"),
+    ("layer_norm_epsilon", 0, r"a finite number in \(0, 1\), got 0"),
+    ("n_inner", "128", r"an int in \[1, 2147483647\] or None, got '128'"),
+    ("eos_token_id", "49", r"an int or None, got '49'"),
+    ("scale_attn_weights", "false", r"true or false, got 'false'"),
+    ("attn_pdrop", None, r"a dropout rate, in \[0, 1\), got None"),
+])  # fmt: skip
+def test_config_json_value_out_of_range_names_file_field_and_range(hf_dir, field, value, allowed):
+    edit(hf_dir / "config.json", **{field: value})
+    with pytest.raises(
+        ConfigError, match=re.escape(f"{hf_dir / 'config.json'}: GPT2Config.{field} must be ") + allowed
+    ):
+        gpt2_jax.load(hf_dir)
 
 
 def test_untied_lm_head(model, hf_dir):
@@ -112,44 +195,6 @@ def test_weight_files_missing(hf_dir):
     (hf_dir / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match=r"has config\.json but none of the weight files"):
         gpt2_jax.load(hf_dir)
-
-
-def test_existing_destination_needs_force(hf_dir, tmp_path, capsys):
-    dst = tmp_path / "out"
-    dst.mkdir()
-    (dst / "keep.txt").write_text("precious")
-    assert convert_main([str(hf_dir), str(dst)]) == 2
-    assert "already exists; pass --force" in capsys.readouterr().err
-    assert (dst / "keep.txt").read_text() == "precious"
-    assert convert_main([str(hf_dir), str(dst), "--force"]) == 0
-    assert not (dst / "keep.txt").exists()
-    gpt2_jax.load(dst)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "out"]  # no temporaries left behind
-
-
-def test_failed_conversion_leaves_nothing(model, hf_dir, tmp_path, capsys):
-    state = hf_state(model)
-    del state["transformer.ln_f.weight"]
-    write_state(hf_dir, state)
-    for extra in ([], ["--to-hf"]):
-        assert convert_main([str(hf_dir), str(tmp_path / "out"), *extra]) == 2
-        assert "missing tensor(s) ln_f.weight" in capsys.readouterr().err
-        assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
-
-
-def test_failure_while_writing_keeps_old_checkpoint(hf_dir, tmp_path, monkeypatch):
-    dst = tmp_path / "out"
-    assert convert_main([str(hf_dir), str(dst)]) == 0
-    before = sorted(p.relative_to(dst) for p in dst.rglob("*"))
-
-    def boom(*args, **kwargs):
-        raise OSError("disk full")
-
-    monkeypatch.setattr("gpt2_jax.checkpoints.hf.write_dir", boom)
-    with pytest.raises(OSError, match="disk full"):
-        convert_main([str(hf_dir), str(dst), "--force", "--to-hf"])
-    assert sorted(p.relative_to(dst) for p in dst.rglob("*")) == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "out"]
 
 
 def test_cli_error_is_one_line(tmp_path):

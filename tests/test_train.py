@@ -286,7 +286,7 @@ def test_train_cli_and_fine_tune(data_dir, tmp_path, capsys):
                  "--no-progress", "--dropout", "0.2"]) == 0  # fmt: skip
     assert gpt2_jax.load(tmp_path / "b" / "model")[1] == TINY.replace(embd_pdrop=0.2, attn_pdrop=0.2, resid_pdrop=0.2)
     code = main(["train", "--data", str(data_dir), "--config", cfg, "--out", str(tmp_path / "c"), "--dropout", "1.5"])
-    assert code == 2 and "embd_pdrop is a dropout rate, in [0, 1); got 1.5" in capsys.readouterr().err
+    assert code == 2 and "embd_pdrop must be a dropout rate, in [0, 1), got 1.5" in capsys.readouterr().err
     assert not (tmp_path / "c").exists()
     code = main(["generate", "--model", str(tmp_path / "b" / "model"), "--prompt", "to be", "--max-new-tokens", "5",
                  "--seed", "0"])  # fmt: skip

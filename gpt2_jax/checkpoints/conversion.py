@@ -23,7 +23,7 @@ def convert(src: str | Path, dst: str | Path, *, dtype: Any = None, force: bool 
     about the weights once (to_hf: twice, as safetensors serialises the whole file in memory).
     progress: tqdm bars (bytes) on stderr, reading then writing."""
     dst = Path(dst).absolute()
-    check_writable_destination(dst, force)  # fail before the (slow) load, not after
+    check_writable_destination(dst, force, native.CHECKPOINT_FILES)  # fail before the (slow) load, not after
     dtype = resolve_dtype(dtype)
     if to_hf and dtype == jnp.int8:
         raise ConfigError("--to-hf writes float weights (HuggingFace has no gpt2_jax int8 layout); "
@@ -35,7 +35,7 @@ def convert(src: str | Path, dst: str | Path, *, dtype: Any = None, force: bool 
         if not to_hf:
             native.save(dst, params, config, force=force)
         else:
-            with atomic_dir(dst, force) as tmp:
+            with atomic_dir(dst, force, native.CHECKPOINT_FILES) as tmp:
                 hf.write_dir(to_flat(params, config), config, tmp)
         bar.update(param_bytes(params))  # orbax and safetensors write in one call each, so the bar jumps
     return dst

@@ -16,8 +16,9 @@ import numpy as np
 
 from gpt2_jax.checkpoints import lazy, torch_files
 from gpt2_jax.checkpoints.lazy import Lazy
-from gpt2_jax.config import HF_ACTIVATIONS, PRESETS, GPT2Config
+from gpt2_jax.config import HF_ACTIVATIONS, PRESETS, GPT2Config, shown
 from gpt2_jax.errors import CheckpointError, ConfigError
+from gpt2_jax.model.checks import layer_count
 
 WEIGHT_FILES = (
     "model.safetensors",
@@ -25,26 +26,35 @@ WEIGHT_FILES = (
     "pytorch_model.bin",
     "pytorch_model.bin.index.json",
 )
+# Everything a HuggingFace GPT-2 directory holds that write_dir or save_pretrained write (shards included):
+# the entries a directory may hold for convert --force to replace it.
+FILES = (
+    "config.json", "generation_config.json", *WEIGHT_FILES, "model-*-of-*.safetensors", "pytorch_model-*-of-*.bin",
+    "vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+)  # fmt: skip
 _BUFFER = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)$")
 
 
 def config_from_hf(d: dict[str, Any], source: str) -> GPT2Config:
     """A transformers GPT2Config dict -> GPT2Config; fields that change the math and that we do
     not implement are rejected, never ignored. reorder_and_upcast_attn needs nothing: it only
-    makes PyTorch compute the scores in float32, which attend() always does."""
+    makes PyTorch compute the scores in float32, which attend() always does. Values are passed on as
+    they are, so GPT2Config rejects a wrong type or range instead of float() or bool() coercing it."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"{source}: expected a JSON object, found {type(d).__name__}")
     if d.get("model_type", "gpt2") != "gpt2":
-        raise ConfigError(f"{source}: model_type {d['model_type']!r} is not 'gpt2'")
+        raise ConfigError(f"{source}: model_type {shown(d['model_type'])} is not 'gpt2'")
     act = d.get("activation_function", "gelu_new")
-    if act not in HF_ACTIVATIONS:
+    if not isinstance(act, str) or act not in HF_ACTIVATIONS:
         raise ConfigError(
-            f"{source}: activation_function {act!r} is not supported; supported: {sorted(HF_ACTIVATIONS)}"
+            f"{source}: activation_function {shown(act)} is not supported; supported: {sorted(HF_ACTIVATIONS)}"
         )
     if d.get("add_cross_attention", False):
         raise ConfigError(f"{source}: add_cross_attention=true (encoder-decoder GPT-2) is not supported")
     if d.get("tie_word_embeddings", True) is False:
         raise ConfigError(f"{source}: tie_word_embeddings=false is not supported; GPT-2's unembedding is wte.T")
     if d.get("n_ctx") not in (None, d.get("n_positions")):
-        raise ConfigError(f"{source}: n_ctx={d['n_ctx']} differs from n_positions={d.get('n_positions')}")
+        raise ConfigError(f"{source}: n_ctx={shown(d['n_ctx'])} differs from n_positions={shown(d.get('n_positions'))}")
     try:
         return GPT2Config(
             vocab_size=d.get("vocab_size", 50257),
@@ -53,22 +63,23 @@ def config_from_hf(d: dict[str, Any], source: str) -> GPT2Config:
             n_layer=d.get("n_layer", 12),
             n_head=d.get("n_head", 12),
             n_inner=d.get("n_inner"),
-            layer_norm_epsilon=float(d.get("layer_norm_epsilon", 1e-5)),
+            layer_norm_epsilon=d.get("layer_norm_epsilon", 1e-5),
             gelu_approximate=HF_ACTIVATIONS[act],
-            scale_attn_weights=bool(d.get("scale_attn_weights", True)),
-            scale_attn_by_inverse_layer_idx=bool(d.get("scale_attn_by_inverse_layer_idx", False)),
-            embd_pdrop=float(d.get("embd_pdrop", 0.1)),
-            attn_pdrop=float(d.get("attn_pdrop", 0.1)),
-            resid_pdrop=float(d.get("resid_pdrop", 0.1)),
+            scale_attn_weights=d.get("scale_attn_weights", True),
+            scale_attn_by_inverse_layer_idx=d.get("scale_attn_by_inverse_layer_idx", False),
+            embd_pdrop=d.get("embd_pdrop", 0.1),
+            attn_pdrop=d.get("attn_pdrop", 0.1),
+            resid_pdrop=d.get("resid_pdrop", 0.1),
             eos_token_id=_eos(d.get("eos_token_id", 50256)),
         )
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
 
 
-def _eos(value: Any) -> int | None:
-    """config.json's eos_token_id: an int, null, or (newer transformers) a list whose first id we use."""
-    return value[0] if isinstance(value, list) and value else (value if isinstance(value, int) else None)
+def _eos(value: Any) -> Any:
+    """config.json's eos_token_id: an int, null, or (newer transformers) a list whose first id we use;
+    anything else goes on to GPT2Config, which names it."""
+    return value[0] if isinstance(value, list) and value else value
 
 
 def config_to_hf(config: GPT2Config) -> dict[str, Any]:
@@ -131,9 +142,9 @@ def read_weights(path: Path) -> dict[str, Lazy]:
 def read_config(path: Path) -> GPT2Config:
     """A HuggingFace config.json -> GPT2Config."""
     try:
-        d = json.loads(path.read_text())
-    except ValueError as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+        d = json.loads(path.read_bytes())
+    except (ValueError, RecursionError) as e:  # RecursionError: thousands of nested brackets
+        raise CheckpointError(f"{path}: not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
     return config_from_hf(d, str(path))
 
 
@@ -157,14 +168,18 @@ def infer_config(flat: dict[str, np.ndarray], source: str) -> GPT2Config:
     for key in ("wte.weight", "wpe.weight", "h.0.mlp.c_fc.weight"):
         if key not in flat:
             raise CheckpointError(f"{source}: missing tensor {key}, cannot infer the model's shape")
+        if len(flat[key].shape) != 2:
+            raise CheckpointError(f"{source}: tensor {key} has shape {tuple(flat[key].shape)}, expected a matrix")
     V, D = flat["wte.weight"].shape
-    layers = {int(m.group(1)) for k in flat if (m := re.match(r"h\.(\d+)\.", k))}
     heads = {c.n_embd: c.n_head for c in PRESETS.values()}.get(D, max(D // 64, 1))
     F = flat["h.0.mlp.c_fc.weight"].shape[1]
-    return GPT2Config(
-        vocab_size=V, n_positions=flat["wpe.weight"].shape[0], n_embd=D, n_layer=max(layers) + 1,
-        n_head=heads, n_inner=None if F == 4 * D else F, bias="ln_f.bias" in flat,
-    )  # fmt: skip
+    try:
+        return GPT2Config(
+            vocab_size=V, n_positions=flat["wpe.weight"].shape[0], n_embd=D, n_layer=layer_count(flat, source),
+            n_head=heads, n_inner=None if F == 4 * D else F, bias="ln_f.bias" in flat,
+        )  # fmt: skip
+    except ConfigError as e:
+        raise CheckpointError(f"{source}: the shapes give no valid config ({e})") from None
 
 
 def write_dir(flat: dict[str, np.ndarray], config: GPT2Config, dst: Path) -> None:

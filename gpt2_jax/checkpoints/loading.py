@@ -22,6 +22,7 @@ FORMATS = (
     "a .safetensors or .bin state dict, or a nanoGPT ckpt.pt (or its out_dir)"
 )
 _TORCH_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+_GIVEN = "the config= argument"
 
 
 def resolve_dtype(dtype: Any) -> Any:
@@ -47,22 +48,25 @@ def in_precision(params: Params, config: GPT2Config, dtype: Any, mesh: Any) -> P
     return shard_params(params, config, mesh) if mesh is not None else params
 
 
-def _read_file(path: Path, config: GPT2Config | None) -> tuple[dict[str, Lazy], GPT2Config]:
-    """A single weight file; the config comes from the argument, a config.json beside it, or the shapes."""
+def _read_file(path: Path, config: GPT2Config | None) -> tuple[dict[str, Lazy], GPT2Config, str]:
+    """A single weight file -> (tensors, config, where the config came from): the argument, a config.json
+    beside it, or the shapes."""
     if path.suffix == ".safetensors" or path.name.endswith(".index.json"):
         raw = hf.read_weights(path)
     elif path.suffix in _TORCH_SUFFIXES:
         obj = torch_files.torch_load(path)
         if nanogpt.is_nanogpt(obj):
             flat, nano_config = nanogpt.read_checkpoint(obj, path)
-            return flat, config or nano_config
+            return flat, config or nano_config, _GIVEN if config else f"{path} model_args"
         raw = torch_files.tensors_of(obj, path)
     else:
         raise CheckpointError(f"{path}: unknown checkpoint format; expected {FORMATS}")
     flat = hf.normalize_keys(raw, str(path))
-    if config is None and (path.parent / "config.json").is_file():
-        config = hf.read_config(path.parent / "config.json")
-    return flat, config or hf.infer_config(flat, str(path))
+    if config is not None:
+        return flat, config, _GIVEN
+    if (path.parent / "config.json").is_file():
+        return flat, hf.read_config(path.parent / "config.json"), str(path.parent / "config.json")
+    return flat, hf.infer_config(flat, str(path)), f"the config inferred from {path}"
 
 
 def _training_run(path: Path) -> Path:
@@ -125,15 +129,17 @@ def _load(path: Path, dtype: Any, config: GPT2Config | None, mesh: Any, progress
     if native.is_checkpoint(path):
         return native.restore(path, dtype, mesh, progress, stacked)
     if path.is_dir() and (path / "config.json").is_file():
-        source = hf.weight_file(path)
+        source, origin = hf.weight_file(path), str(path / "config.json")
         flat, found = hf.read_dir(path)
     elif path.is_dir() and (path / "ckpt.pt").is_file():
         source = path / "ckpt.pt"
         flat, found = nanogpt.read(source)
+        origin = f"{source} model_args"
     elif path.is_dir():
         raise CheckpointError(f"{path}: unknown checkpoint format; expected {FORMATS}")
     else:
         source = path
-        flat, found = _read_file(path, config)
+        flat, found, origin = _read_file(path, config)
+    origin = _GIVEN if config is not None else origin
     config = config or found
-    return build_params(flat, config, str(source), dtype, mesh, progress, stacked), config
+    return build_params(flat, config, str(source), dtype, mesh, progress, stacked, config_source=origin), config

@@ -16,7 +16,7 @@ from gpt2_jax.checkpoints import torch_files
 from gpt2_jax.checkpoints.hf import normalize_keys
 from gpt2_jax.checkpoints.lazy import Lazy, transposed
 from gpt2_jax.config import GPT2Config
-from gpt2_jax.errors import CheckpointError
+from gpt2_jax.errors import CheckpointError, ConfigError
 
 GPT2_VOCAB = 50257
 _LINEARS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -29,18 +29,23 @@ def is_nanogpt(obj: object) -> bool:
 
 
 def config_from_args(args: dict, source: str) -> GPT2Config:
-    """nanoGPT's model_args -> GPT2Config (exact GELU, the padding rows marked invalid)."""
+    """nanoGPT's model_args -> GPT2Config (exact GELU, the padding rows marked invalid). Values are passed
+    on as they are, so GPT2Config rejects a wrong type or range instead of float() or bool() coercing it."""
+    if not isinstance(args, dict):
+        raise CheckpointError(f"{source}: model_args is a {type(args).__name__}, expected a dict")
     missing = [k for k in _ARGS if k not in args]
     if missing:
         raise CheckpointError(f"{source}: model_args lacks {missing}")
-    vocab = args["vocab_size"]
-    dropout = float(args.get("dropout", 0.0))
-    return GPT2Config(
-        vocab_size=vocab, n_positions=args["block_size"], n_embd=args["n_embd"], n_layer=args["n_layer"],
-        n_head=args["n_head"], bias=bool(args["bias"]), gelu_approximate=False,
-        n_valid_tokens=GPT2_VOCAB if vocab == 50304 else None,
-        embd_pdrop=dropout, attn_pdrop=dropout, resid_pdrop=dropout,
-    )  # fmt: skip
+    vocab, dropout = args["vocab_size"], args.get("dropout", 0.0)
+    try:
+        return GPT2Config(
+            vocab_size=vocab, n_positions=args["block_size"], n_embd=args["n_embd"], n_layer=args["n_layer"],
+            n_head=args["n_head"], bias=args["bias"], gelu_approximate=False,
+            n_valid_tokens=GPT2_VOCAB if isinstance(vocab, int) and vocab == 50304 else None,
+            embd_pdrop=dropout, attn_pdrop=dropout, resid_pdrop=dropout,
+        )  # fmt: skip
+    except ConfigError as e:
+        raise ConfigError(f"{source}: model_args: {e}") from None
 
 
 def read_checkpoint(ckpt: dict, path: Path) -> tuple[dict[str, Lazy], GPT2Config]:

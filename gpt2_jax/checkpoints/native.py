@@ -15,15 +15,19 @@ from typing import Any
 import jax
 import numpy as np
 
+from gpt2_jax.checkpoints import hf
 from gpt2_jax.checkpoints.atomic import atomic_dir
 from gpt2_jax.checkpoints.host_buffers import host_buffer, prefetching
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import CheckpointError, GPT2JaxError
-from gpt2_jax.model.params import Params, _set, check_tree, dotted, stack_layers, unstack_layers
+from gpt2_jax.model.checks import check_tree
+from gpt2_jax.model.params import Params, _set, dotted, stack_layers, unstack_layers
 from gpt2_jax.model.precision import drop_row_sums
 
 CONFIG_FILE = "gpt2_jax.json"
 PARAMS_DIR = "params"
+# What save() and convert --force may replace: a directory holding only a checkpoint of either format.
+CHECKPOINT_FILES = (CONFIG_FILE, PARAMS_DIR, *hf.FILES)
 
 
 def _checkpointer():
@@ -38,10 +42,10 @@ def _checkpointer():
 
 def save(dst: str | Path, params: Params, config: GPT2Config, *, force: bool = False) -> Path:
     """Write params (per-layer or stacked; stored stacked) + config to dst atomically; an existing dst is
-    replaced only with force=True."""
+    replaced only with force=True, and only where it is a checkpoint (CHECKPOINT_FILES) or empty."""
     dst = Path(dst).absolute()
     params = stack_layers(drop_row_sums(params))  # w8a8 is stored as int8's weights (its row sums come back on load)
-    with atomic_dir(dst, force) as tmp:
+    with atomic_dir(dst, force, CHECKPOINT_FILES) as tmp:
         if jax.process_index() == 0:  # with several processes: one config file, every process's shards
             (tmp / CONFIG_FILE).write_text(config.to_json())
         import orbax.checkpoint as ocp
@@ -56,9 +60,12 @@ def is_checkpoint(path: Path) -> bool:
 
 def read_config(path: Path) -> GPT2Config:
     try:
-        return GPT2Config.from_dict(json.loads((path / CONFIG_FILE).read_text()))
-    except ValueError as e:
-        raise CheckpointError(f"{path / CONFIG_FILE}: invalid config ({e})") from None
+        d = json.loads((path / CONFIG_FILE).read_bytes())
+        if not isinstance(d, dict):
+            raise ValueError(f"expected a JSON object, found {type(d).__name__}")
+        return GPT2Config.from_dict(d)
+    except (ValueError, RecursionError) as e:  # RecursionError: thousands of nested brackets
+        raise CheckpointError(f"{path / CONFIG_FILE}: invalid config ({str(e)[:300]})") from None
 
 
 def _error(path: Path, e: Exception) -> CheckpointError:
@@ -204,7 +211,7 @@ def restore(
         stored = ckptr.metadata(path / PARAMS_DIR).item_metadata.tree
     except Exception as e:
         raise _error(path / PARAMS_DIR, e) from None
-    check_tree(stored, config, str(path / PARAMS_DIR))
+    check_tree(stored, config, str(path / PARAMS_DIR), str(path / CONFIG_FILE))
     if mesh is not None:
         check_mesh(config, mesh)
         shardings = param_shardings(stored, config, mesh)

@@ -20,7 +20,8 @@ from jax.sharding import Sharding, SingleDeviceSharding
 from gpt2_jax.checkpoints.host_buffers import prefetching
 from gpt2_jax.checkpoints.lazy import Index, Lazy, then, transposed
 from gpt2_jax.config import GPT2Config
-from gpt2_jax.model.params import _LINEAR_WEIGHTS, Params, _set, check_flat, layer_shapes, tree_shape
+from gpt2_jax.model.checks import check_flat
+from gpt2_jax.model.params import _LINEAR_WEIGHTS, Params, _set, layer_shapes, tree_shape
 
 CHUNK_BYTES = 4 << 20  # per copy: small enough to stay in the allocator's warm memory
 
@@ -126,12 +127,13 @@ def progress_bar(total: int, enabled: bool, desc: str) -> Iterator[Any]:
         yield bar
 
 
-def build_params(flat: Mapping[str, Any], config: GPT2Config, source: str, dtype: Any = None,
-                 mesh: Any = None, progress: bool = False, stacked: bool = False) -> Params:  # fmt: skip
+def build_params(flat: Mapping[str, Any], config: GPT2Config, source: str, dtype: Any = None, mesh: Any = None,
+                 progress: bool = False, stacked: bool = False, config_source: str = "the config") -> Params:  # fmt: skip
     """Checked flat {name: lazy or numpy tensor} -> params on the default device (or the mesh), each
     leaf allocated once in its final dtype (the stored one if dtype is None): per-layer buffers (what
-    load() gives), or block leaves stacked on L with stacked=True."""
-    check_flat(flat, config, source)
+    load() gives), or block leaves stacked on L with stacked=True. config_source names where the config
+    came from, for the error when it disagrees with the tensors."""
+    check_flat(flat, config, source, config_source)
     leaves = leaf_sources(flat, config)
     shapes = {k: ((config.n_layer,) if st else ()) + src[0].shape for k, (st, src) in leaves.items()}
     shardings = _shardings(leaves, shapes, config, mesh)

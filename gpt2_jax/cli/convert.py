@@ -11,7 +11,7 @@ from gpt2_jax.errors import GPT2JaxError
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    """convert's arguments, on parser (gpt2-jax convert) or a new one (convert/convert_pytorch.py)."""
+    """convert's arguments, on parser (gpt2-jax convert) or a new one (the standalone convert script)."""
     parser = parser or argparse.ArgumentParser(prog="convert_pytorch.py", description=__doc__,
                                                formatter_class=HelpFormatter)  # fmt: skip
     parser.add_argument("src", help="HF directory, .safetensors/.bin file, nanoGPT ckpt.pt, or gpt2_jax checkpoint")
@@ -22,7 +22,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         default=None,
         help="cast the weights; int8 = weight-only int8, stored quantized (gpt2_jax.model.precision) (default: keep)",
     )
-    parser.add_argument("--force", action="store_true", help="replace dst if it exists")
+    parser.add_argument("--force", action="store_true",
+                        help="replace dst if it is a checkpoint (gpt2_jax or HuggingFace) or an empty directory")  # fmt: skip
     parser.add_argument("--to-hf", action="store_true", help="write a HuggingFace directory instead of orbax")
     return parser
 

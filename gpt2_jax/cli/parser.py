@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "or --prompt-lookup)")  # fmt: skip
     _cache_arg(gen)
     cli_train.distributed_args(gen)
-    cli_convert.build_parser(sub.add_parser("convert", help="convert a checkpoint (see convert/convert_pytorch.py)",
+    cli_convert.build_parser(sub.add_parser("convert", help="convert a checkpoint to gpt2_jax's format or HuggingFace's",
                                             formatter_class=HelpFormatter))  # fmt: skip
     train = sub.add_parser("train", help="train or fine-tune with AdamW", formatter_class=HelpFormatter)
     cli_train.train_parser(train)

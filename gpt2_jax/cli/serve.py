@@ -60,7 +60,30 @@ def serve_parser(serve: argparse.ArgumentParser, cache_arg) -> None:
         action="append",
         default=None,
         metavar="KEY",
-        help="require Authorization: Bearer KEY (repeatable; default: $GPT2_JAX_API_KEY, else no key)",
+        help="require Authorization: Bearer KEY (repeatable). A key given here shows in `ps` to every user of the "
+        "machine: prefer --api-key-file or $GPT2_JAX_API_KEY (default: $GPT2_JAX_API_KEY, else no key)",
+    )
+    add("--api-key-file", default=None, metavar="FILE", help="read the API keys from FILE, one a line (not in `ps`)")
+    add(
+        "--max-body-bytes",
+        type=int,
+        default=None,
+        help="the largest request body; larger ones get 413 before they are read (default: 4 KiB per max_seq "
+        "token, at least 1 MiB)",
+    )
+    add(
+        "--idle-timeout",
+        type=float,
+        default=15.0,
+        help="seconds a connection may take to send a request's headers, or between two chunks of its body "
+        "(408), and may stay idle between requests",
+    )
+    add(
+        "--max-beam-tokens",
+        type=int,
+        default=None,
+        help="the most tokens one use_beam_search request may hold: beams x prompts x (prompt + max_tokens) "
+        "(default: 8 x max_seq); two such searches run at once, smaller ones beside them",
     )
     add(
         "--max-constraint-states",
@@ -70,6 +93,12 @@ def serve_parser(serve: argparse.ArgumentParser, cache_arg) -> None:
     )
     add("--constraint-classes", type=int, default=512, help="the most token classes one constraint may have")
     add("--constraint-timeout", type=float, default=30.0, help="seconds a constraint may take to compile")
+    add(
+        "--constraint-workers",
+        type=int,
+        default=2,
+        help="constraints compiled at once, each in its own process (a cheap one waits only while all are busy)",
+    )
     add("--no-playground", action="store_true", help="serve no page at / (the API only)")
     add("--allocator", choices=["auto", "jemalloc", "glibc"], default="auto",
         help="the process's malloc: auto runs on jemalloc where it is installed (libjemalloc2), whose RSS stays "
@@ -78,12 +107,32 @@ def serve_parser(serve: argparse.ArgumentParser, cache_arg) -> None:
 
 
 def api_keys(args: argparse.Namespace) -> list[str]:
-    keys = (
-        args.api_key if args.api_key else [os.environ["GPT2_JAX_API_KEY"]] if os.environ.get("GPT2_JAX_API_KEY") else []
-    )
+    """--api-key and --api-key-file's keys together, else $GPT2_JAX_API_KEY's, else none."""
+    keys = list(args.api_key or [])
+    if args.api_key_file is not None:
+        try:
+            with open(args.api_key_file) as f:
+                keys += [line for line in f.read().splitlines() if line.strip()]
+        except OSError as e:
+            raise GPT2JaxError(f"cannot read --api-key-file {args.api_key_file}: {e.strerror or e}") from None
+        if len(keys) == len(args.api_key or []):
+            raise GPT2JaxError(f"--api-key-file {args.api_key_file} holds no key")
+    if not keys and os.environ.get("GPT2_JAX_API_KEY"):
+        keys = [os.environ["GPT2_JAX_API_KEY"]]
     if any(not k.strip() for k in keys):
         raise GPT2JaxError("--api-key (or GPT2_JAX_API_KEY) must not be empty")
     return [k.strip() for k in keys]
+
+
+def limits(args: argparse.Namespace, max_seq: int):
+    """The per-request bounds from the flags (serving.limits.Limits)."""
+    from gpt2_jax.serving import Limits
+
+    for flag, value in (("--max-body-bytes", args.max_body_bytes), ("--idle-timeout", args.idle_timeout),
+                        ("--max-beam-tokens", args.max_beam_tokens), ("--constraint-workers", args.constraint_workers)):  # fmt: skip
+        if value is not None and value <= 0:
+            raise GPT2JaxError(f"{flag} must be > 0, got {value:g}")
+    return Limits.for_context(max_seq, args.max_body_bytes, args.idle_timeout, args.max_beam_tokens)
 
 
 def pool_blocks(args: argparse.Namespace, config, dtype) -> int | None:
@@ -131,7 +180,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from gpt2_jax.model import KEY_BLOCK, float_dtype, pool_bytes
     from gpt2_jax.parallel import parse_mesh
-    from gpt2_jax.serving import ConstraintCompiler, Engine, tune_malloc, warm_up
+    from gpt2_jax.serving import ConstraintCompiler, Engine, header_timeout, tune_malloc, warm_up
     from gpt2_jax.tokenizer import tokenizer
 
     def say(line: str) -> None:
@@ -144,6 +193,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt
 
     keys = api_keys(args)
+    limits(args, 1)  # the flags' ranges, before anything loads
     if args.max_constraint_states < 1 or args.constraint_classes < 1 or args.constraint_timeout <= 0:
         raise GPT2JaxError("--max-constraint-states, --constraint-classes and --constraint-timeout must be > 0")
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}  # put back at the end
@@ -161,7 +211,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         mesh = parse_mesh(args.mesh) if args.mesh else None
         params, config = load_model(args, mesh)
-        compiler = ConstraintCompiler(args.constraint_timeout, args.max_constraint_states)
+        compiler = ConstraintCompiler(args.constraint_timeout, args.max_constraint_states, args.constraint_workers)
         starting = threading.Thread(target=compiler.start, daemon=True)  # its child starts while we compile
         starting.start()
 
@@ -183,7 +233,9 @@ def run_serve(args: argparse.Namespace) -> int:
         starting.join()
         seconds = warm_up(engine, compiler=compiler)
         name = args.model_name or args.model or "shakespeare"
-        app = create_app(engine, tokenizer(), name, api_keys=keys, compiler=compiler, playground=not args.no_playground)
+        bounds = limits(args, engine.max_seq)
+        app = create_app(engine, tokenizer(), name, api_keys=keys, compiler=compiler, playground=not args.no_playground,
+                         limits=bounds)  # fmt: skip
 
         def drain(server) -> None:
             """Let the requests in flight finish (new ones: 503), then stop serving."""
@@ -215,7 +267,8 @@ def run_serve(args: argparse.Namespace) -> int:
                     say(f"ready on http://{shown}:{port}")
 
         server = Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                       timeout_graceful_shutdown=10))  # fmt: skip
+                                       timeout_graceful_shutdown=10, timeout_keep_alive=bounds.idle_timeout,
+                                       http=header_timeout(bounds.idle_timeout)))  # fmt: skip
         for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn re-raises the signal it stopped on: make that a no-op
             signal.signal(sig, lambda *_: None)
         server.run(sockets=[sock])

@@ -1,6 +1,7 @@
 """GPT-2 itself: the params pytree, its blocks, attention, the KV cache and the forward pass.
 
   params.py      the params pytree (per-layer or stacked), shapes, init_params, checkpoint <-> tree layout
+  checks.py      checkpoint tensors and params against a config, each error naming file, field and shapes
   layers.py      layer_norm, matmul, linear, mlp, attention, block: one pure function per piece
   attention.py   attention's arithmetic (the block-by-block softmax that keeps a row's bits its own)
   kv_cache.py    the KV cache: allocated once, written in place, one write position per row

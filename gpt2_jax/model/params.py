@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gpt2_jax.config import GPT2Config
-from gpt2_jax.errors import CheckpointError, ConfigError
+from gpt2_jax.errors import ConfigError
 from gpt2_jax.kernels import Packed, packed_rows
 
 Params = dict[str, Any]
@@ -124,26 +124,6 @@ def _get(tree: Mapping, dotted: str) -> Any:
     return tree
 
 
-def _listing(keys: list[str], limit: int = 8) -> str:
-    shown = ", ".join(keys[:limit])
-    return shown + (f", ... ({len(keys)} in all)" if len(keys) > limit else "")
-
-
-def check_flat(flat: Mapping[str, Any], config: GPT2Config, source: str) -> None:
-    """Raise CheckpointError naming every missing or unexpected key, or the first wrong shape."""
-    expected = flat_shapes(config)
-    missing = sorted(set(expected) - set(flat))
-    unexpected = sorted(set(flat) - set(expected))
-    if missing:
-        raise CheckpointError(f"{source}: missing tensor(s) {_listing(missing)} for {config.n_layer}-layer config")
-    if unexpected:
-        raise CheckpointError(f"{source}: unexpected tensor(s) {_listing(unexpected)}")
-    for key, shape in expected.items():
-        got = tuple(flat[key].shape)
-        if got != shape:
-            raise CheckpointError(f"{source}: tensor {key} has shape {got}, expected {shape}")
-
-
 def dotted(path) -> str:
     """A pytree key path -> its dotted name (h.attn.c_attn.weight)."""
     return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
@@ -157,33 +137,6 @@ def dotted(path) -> str:
 # trained bundled model no difference). c_attn keeps int8's int16 rows.
 MATMULS = ("c_attn", "c_proj", "c_fc")
 BYTE_INPUTS = ("c_proj", "c_fc")
-
-
-def check_tree(shapes: Any, config: GPT2Config, source: str) -> None:
-    """Raise CheckpointError unless a (stacked) params pytree, of arrays or shape metadata, has exactly
-    the leaves and shapes that config implies; the message names the first difference."""
-    want = {dotted(p): tuple(a.shape) for p, a in jax.tree_util.tree_flatten_with_path(
-        jax.eval_shape(lambda: init_params(jax.random.key(0), config, stacked=True)))[0]}  # fmt: skip
-    got = {dotted(p): tuple(a.shape) for p, a in jax.tree_util.tree_flatten_with_path(shapes)[0]}
-    if "wte_scale" in got:  # int8 (gpt2_jax.model.precision): a float32 scale per output of each matmul weight
-        want["wte_scale"] = want["wte"][:1]
-        if "wte_qsum" in got:  # w8a8: the weight rows' sums of the matmuls with byte inputs (BYTE_INPUTS)
-            want["wte_qsum"] = want["wte"][:1]
-        if "wte_residual" in got:  # the embedding's second byte (int8 checkpoints written before it lack it)
-            want["wte_residual"] = want["wte"]
-        kinds = {m: ("scale", "qsum") if "wte_qsum" in got and m in BYTE_INPUTS else ("scale",) for m in MATMULS}
-        want.update({n[: -len("weight")] + kind: s[:-1] for n, s in list(want.items())
-                     if n.endswith(".weight") and n.split(".")[-2] in kinds for kind in kinds[n.split(".")[-2]]})  # fmt: skip
-    missing, unexpected = sorted(set(want) - set(got)), sorted(set(got) - set(want))
-    if missing or unexpected:
-        what = f"missing {_listing(missing)}" if missing else f"unexpected {_listing(unexpected)}"
-        raise CheckpointError(f"{source}: {what} for the {config.n_layer}-layer config beside it")
-    for name, shape in want.items():
-        if got[name] != shape:
-            hint = (
-                " (a layout older than gpt2_jax 0.3: convert the source checkpoint again)" if "weight" in name else ""
-            )
-            raise CheckpointError(f"{source}: {name} has shape {got[name]}, expected {shape}{hint}")
 
 
 def to_flat(params: Params, config: GPT2Config) -> dict[str, np.ndarray]:

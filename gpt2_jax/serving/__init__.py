@@ -9,6 +9,7 @@
   memory.py             the heap of a long-lived process: jemalloc where installed, else glibc's arenas capped and
                         free pages returned when idle
   warmup.py             start-up: the essential programs first, the rest in the background
+  limits.py             what one client may cost: body size, time to send a request, beam-search work
   api.py                the FastAPI app (schema.py, completions.py, jobs.py, metrics.py, openapi.py, static/)
 
 The HTTP parts need the serve extra (fastapi, uvicorn); they are imported on first use, so the engine alone
@@ -21,13 +22,16 @@ from gpt2_jax.serving.memory import active_allocator, release_free_memory, serve
 from gpt2_jax.serving.warmup import warm_up
 
 __all__ = [
+    "Budget",
     "Cancelled",
     "ConstraintCompiler",
     "Engine",
+    "Limits",
     "QueueFull",
     "Request",
     "active_allocator",
     "create_app",
+    "header_timeout",
     "release_free_memory",
     "serve_allocator",
     "tune_malloc",
@@ -40,4 +44,8 @@ def __getattr__(name: str):
         from gpt2_jax.serving.api import create_app
 
         return create_app
+    if name in ("Budget", "Limits", "header_timeout"):  # they need uvicorn and fastapi, imported on first use
+        from gpt2_jax.serving import limits
+
+        return getattr(limits, name)
     raise AttributeError(f"module 'gpt2_jax.serving' has no attribute {name!r}")

@@ -16,6 +16,7 @@ must carry `Authorization: Bearer KEY`, compared in constant time; others get a 
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
 from importlib import resources
@@ -29,6 +30,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 from gpt2_jax.serving import openapi
 from gpt2_jax.serving.completions import Completions
 from gpt2_jax.serving.engine import Engine
+from gpt2_jax.serving.limits import BodyLimit, Limits
 from gpt2_jax.serving.metrics import Metrics
 from gpt2_jax.serving.schema import (
     ApiError,
@@ -39,6 +41,7 @@ from gpt2_jax.serving.schema import (
     from_validation,
 )
 
+TOKENIZING = 2  # /tokenize and /detokenize calls tokenizing at once; more wait their turn
 OPEN_PATHS = {"/health", "/", "/openapi.json", "/docs", "/docs/oauth2-redirect"}  # no key needed
 
 
@@ -53,18 +56,22 @@ def _authorized(header: str | None, keys: tuple[bytes, ...]) -> bool:
 
 
 def create_app(engine: Engine, tokenizer: Any, model_name: str, *, log: Any = None, api_keys: Any = (),
-               compiler: Any = None, ready: Any = lambda: True, playground: bool = True) -> FastAPI:  # fmt: skip
+               compiler: Any = None, ready: Any = lambda: True, playground: bool = True,
+               limits: Limits | None = None) -> FastAPI:  # fmt: skip
     """The OpenAI-compatible app over a started Engine. tokenizer: a tiktoken Encoding (gpt2_jax.tokenizer());
     model_name: the id clients pass as "model"; log: where the one line per request goes (default stderr);
     api_keys: the accepted keys (none: no key needed); compiler: a serving.constraint_worker.ConstraintCompiler
     (None: constraints compile in this process); ready(): whether the essential programs are compiled;
-    playground: serve the page at /."""
+    playground: serve the page at /; limits: the per-request bounds (default: Limits.for_context(max_seq))."""
     app = FastAPI(title="gpt2-jax", description="OpenAI-compatible completions over gpt2_jax's serving engine")
     app.state.engine, app.state.model_name, app.state.stopping = engine, model_name, False
     app.state.metrics = metrics = Metrics()
     keys = tuple(k.encode() for k in api_keys)
     enc, created = tokenizer, int(time.time())
-    completions = Completions(engine, enc, model_name, metrics, compiler, log, lambda: app.state.stopping)
+    limits = limits or Limits.for_context(engine.max_seq)
+    completions = Completions(engine, enc, model_name, metrics, compiler, log, lambda: app.state.stopping, limits)
+    app.add_middleware(BodyLimit, limit=limits.max_body_bytes, idle=limits.idle_timeout)
+    tokenizing = asyncio.Semaphore(TOKENIZING)
 
     @app.middleware("http")
     async def _keys(http: HTTPRequest, call_next):
@@ -125,24 +132,32 @@ def create_app(engine: Engine, tokenizer: Any, model_name: str, *, log: Any = No
             raise ApiError(404, f"the model {name!r} does not exist; this server has {model_name!r}",
                            param="model", code="model_not_found")  # fmt: skip
 
-    @app.post("/tokenize", response_model=TokenizeResponse, responses=openapi.errors(400, 401, 404))
+    async def off_loop(work: Any, *args: Any) -> Any:
+        """Tokenizer work in a worker thread, TOKENIZING at a time, so a long text neither freezes the event loop
+        (and every stream with it) nor, sent many times at once, holds many copies of itself."""
+        async with tokenizing:
+            return await asyncio.get_running_loop().run_in_executor(None, work, *args)
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=openapi.errors(400, 401, 404, 408, 413))
     async def tokenize(body: TokenizeRequest):
         """Text -> its token ids and count (vLLM's /tokenize); <|endoftext|> in the text is the special token."""
         check_model(body.model)
-        tokens = enc.encode(body.prompt, allowed_special={"<|endoftext|>"})
+        tokens = await off_loop(lambda: enc.encode(body.prompt, allowed_special={"<|endoftext|>"}))
         return {"count": len(tokens), "max_model_len": engine.max_seq, "tokens": tokens}
 
-    @app.post("/detokenize", response_model=DetokenizeResponse, responses=openapi.errors(400, 401, 404))
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=openapi.errors(400, 401, 404, 408, 413))
     async def detokenize(body: DetokenizeRequest):
         """Token ids -> their text (vLLM's /detokenize)."""
         check_model(body.model)
         bad = [t for t in body.tokens if not 0 <= t < enc.n_vocab]
         if bad:
             raise ApiError(400, f"token id {bad[0]} is outside the vocab [0, {enc.n_vocab})", param="tokens")
-        return {"prompt": enc.decode(body.tokens)}
+        return {"prompt": await off_loop(enc.decode, body.tokens)}
 
     @app.post(
-        "/v1/completions", openapi_extra=openapi.completion_body(), responses=openapi.errors(400, 401, 404, 429, 503)
+        "/v1/completions",
+        openapi_extra=openapi.completion_body(),
+        responses=openapi.errors(400, 401, 404, 408, 413, 429, 503),
     )
     async def completions_endpoint(http: HTTPRequest):
         return await completions.handle(http)

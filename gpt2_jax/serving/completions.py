@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from gpt2_jax.serving.engine import Engine
 from gpt2_jax.serving.jobs import Choice, EventStream, Job, Plan, prompt_logprobs
+from gpt2_jax.serving.limits import Budget, Limits
 from gpt2_jax.serving.metrics import Metrics
 from gpt2_jax.serving.schema import ApiError, CompletionRequest, from_gpt2_jax, from_validation
 
@@ -27,9 +28,11 @@ class Completions:
     """The completions endpoint of one app: its engine, tokenizer, model id, metrics and log."""
 
     def __init__(self, engine: Engine, enc: Any, model_name: str, metrics: Metrics, compiler: Any, log: Any = None,
-                 stopping: Any = lambda: False):  # fmt: skip
+                 stopping: Any = lambda: False, limits: Limits | None = None):  # fmt: skip
         self.engine, self.enc, self.model_name, self.metrics, self.compiler = engine, enc, model_name, metrics, compiler
         self.log, self.stopping = log, stopping
+        self.limits = limits or Limits.for_context(engine.max_seq)
+        self.beams = Budget(2 * self.limits.max_beam_tokens)  # a search of the largest size, and another beside it
 
     def say(self, line: str) -> None:
         print(f"gpt2-jax serve: {line}", file=self.log or sys.stderr, flush=True)
@@ -50,14 +53,15 @@ class Completions:
             if self.stopping() or not engine.running:
                 raise ApiError(503, "the server is shutting down", code="shutting_down")
             loop = asyncio.get_running_loop()
-            plan = await loop.run_in_executor(None, Plan, req, engine, self.enc, self.compiler)
+            plan = await loop.run_in_executor(None, Plan, req, engine, self.enc, self.compiler,
+                                              self.limits.max_beam_tokens)  # fmt: skip
             job = Job(rid, plan, self.enc, config.eos_id, self.metrics, t0)
             if plan.echo and plan.top_n is not None:
                 job.echo = await loop.run_in_executor(
                     None, lambda: [prompt_logprobs(engine.params, config, p, plan.top_n) for p in plan.prompts]
                 )
             if plan.beam:
-                await loop.run_in_executor(None, job.beam_search, engine)
+                await loop.run_in_executor(None, job.beam_search, engine, self.beams)
             elif plan.max_tokens > 0:
                 await loop.run_in_executor(None, job.submit, engine)
             else:  # echo-only scoring: nothing to generate

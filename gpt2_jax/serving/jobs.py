@@ -13,7 +13,6 @@ import codecs
 import math
 import re
 import secrets
-import threading
 import time
 from typing import Any
 
@@ -21,17 +20,17 @@ import jax
 from fastapi.responses import StreamingResponse
 
 from gpt2_jax.errors import GPT2JaxError
-from gpt2_jax.generation import beam_search
+from gpt2_jax.generation import MAX_BEAMS, beam_search
 from gpt2_jax.generation import prompt_logprobs as score_prompts
 from gpt2_jax.sampling import SamplingParams, constraints
 from gpt2_jax.serving.engine import Cancelled, Engine, Request
+from gpt2_jax.serving.limits import check_chars
 from gpt2_jax.serving.metrics import Metrics
 from gpt2_jax.serving.rows import row_key
 from gpt2_jax.serving.schema import ApiError, CompletionRequest
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_LOGPROBS = 20
-BEAM_LOCK = threading.Lock()  # one beam search at a time: each holds num_beams x prompts rows of KV cache
 SEED_LIMIT = 2**32  # JAX (without x64) keys on a seed's low 32 bits: larger seeds would collide
 
 
@@ -128,7 +127,8 @@ def prompt_logprobs(params: Any, config: Any, ids: list[int], top_n: int) -> tup
 class Plan:
     """A validated request: its prompts as token ids and text, and the engine's per-row settings."""
 
-    def __init__(self, req: CompletionRequest, engine: Engine, enc: Any, compiler: Any = None):
+    def __init__(self, req: CompletionRequest, engine: Engine, enc: Any, compiler: Any = None,
+                 max_beam_tokens: int | None = None):  # fmt: skip
         config = engine.config
         self.n = 1 if req.n is None else req.n
         if self.n < 1:
@@ -157,12 +157,8 @@ class Plan:
         if req.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        self.prompts, self.texts = self._prompts(req.prompt, enc, config)
-        rows = len(self.prompts) * self.best_of
-        if rows > engine.max_batch + engine.max_queue:
-            raise ApiError(400, f"{len(self.prompts)} prompt(s) x best_of={self.best_of} = {rows} completions exceed this "
-                                f"server's capacity of {engine.max_batch + engine.max_queue} "
-                                f"(max_batch + max_queue)", param="n")  # fmt: skip
+        self._check_rows(req, engine)  # before any tokenizing: 10,000 prompts are refused at once
+        self.prompts, self.texts = self._prompts(req.prompt, enc, config, engine.max_seq)
         for p, ids in enumerate(self.prompts):
             if len(ids) + self.max_tokens > engine.max_seq:
                 raise ApiError(400, f"prompt {p}: {len(ids)} prompt tokens + max_tokens={self.max_tokens} exceed "
@@ -174,9 +170,26 @@ class Plan:
                            param="min_tokens")  # fmt: skip
         self.stops = list(self.sampling.stop)
         if self.beam:
-            self._beam_settings(req)
+            self._beam_settings(req, max_beam_tokens)
 
-    def _beam_settings(self, req: CompletionRequest) -> None:
+    def _check_rows(self, req: CompletionRequest, engine: Engine) -> None:
+        """400 when the request's rows (prompts x best_of) exceed the engine's rows plus its queue; the error names
+        prompt when the prompts alone are too many, else the field that asked for the candidates. A beam search
+        runs outside the engine's rows: --max-beam-tokens bounds it instead (_beam_settings)."""
+        if self.beam:
+            return
+        prompts = (
+            req.prompt if isinstance(req.prompt, list) and req.prompt and not isinstance(req.prompt[0], int) else [0]
+        )
+        capacity, rows = engine.max_batch + engine.max_queue, len(prompts) * self.best_of
+        if rows <= capacity:
+            return
+        name = "best_of" if req.best_of is not None else "n"
+        param = "prompt" if len(prompts) > capacity else name
+        raise ApiError(400, f"{len(prompts)} prompt(s) x {name}={self.best_of} = {rows} completions exceed this "
+                            f"server's capacity of {capacity} (max_batch + max_queue)", param=param)  # fmt: skip
+
+    def _beam_settings(self, req: CompletionRequest, max_beam_tokens: int | None) -> None:
         """use_beam_search: gpt2_jax.beam_search with best_of beams (greedy at temperature 0 or unset, beam sampling
         above), the n best hypotheses returned best first."""
         if self.stops:
@@ -187,14 +200,23 @@ class Plan:
                            param="logprobs")  # fmt: skip
         if self.max_tokens == 0:
             raise ApiError(400, "use_beam_search needs max_tokens >= 1", param="max_tokens")
+        name = "best_of" if req.best_of is not None else "n"  # the field that set the number of beams
+        if self.best_of > MAX_BEAMS:
+            raise ApiError(400, f"use_beam_search runs {name}={self.best_of} beams; at most {MAX_BEAMS}", param=name)
+        self.beam_tokens = self.best_of * len(self.prompts) * (max(map(len, self.prompts)) + self.max_tokens)
+        if max_beam_tokens is not None and self.beam_tokens > max_beam_tokens:
+            raise ApiError(400, f"use_beam_search with {name}={self.best_of} beams x {len(self.prompts)} prompt(s) x "
+                                f"(prompt + max_tokens={self.max_tokens}) = {self.beam_tokens} tokens is over this "
+                                f"server's limit of {max_beam_tokens} (--max-beam-tokens)", param=name)  # fmt: skip
         self.beam_settings = {"num_beams": self.best_of, "num_return_sequences": self.n,
                               "length_penalty": 1.0 if req.length_penalty is None else req.length_penalty,
                               "early_stopping": False if req.early_stopping is None else req.early_stopping,
                               "do_sample": bool(req.temperature)}  # fmt: skip
 
     @staticmethod
-    def _prompts(prompt: Any, enc: Any, config: Any) -> tuple[list[list[int]], list[str]]:
-        """A string, a list of strings, a list of token ids or a list of token-id lists -> (ids, text) per prompt."""
+    def _prompts(prompt: Any, enc: Any, config: Any, max_seq: int) -> tuple[list[list[int]], list[str]]:
+        """A string, a list of strings, a list of token ids or a list of token-id lists -> (ids, text) per prompt.
+        A text too long to fit in max_seq tokens whatever it says is refused before it is tokenized."""
         if prompt is None:
             prompt = ""  # OpenAI: as if from the start of a new document
         if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
@@ -204,6 +226,7 @@ class Plan:
         ids, texts = [], []
         for p, x in enumerate(prompt):
             if isinstance(x, str):
+                check_chars(x, enc, max_seq, f"prompt {p}")
                 ids.append(enc.encode(x, allowed_special={"<|endoftext|>"}) or [enc.eot_token])
                 texts.append(x)
                 continue
@@ -303,11 +326,12 @@ class Job:
             self.cancel()
             raise
 
-    def beam_search(self, engine: Engine) -> None:
-        """use_beam_search (a worker thread): gpt2_jax.beam_search over every prompt, one search at a time (its own
-        KV cache, outside the engine's rows, whose streams keep running), its hypotheses as the choices."""
+    def beam_search(self, engine: Engine, budget: Any) -> None:
+        """use_beam_search (a worker thread): gpt2_jax.beam_search over every prompt (its own KV cache, outside the
+        engine's rows, whose streams keep running) once its tokens fit the budget (serving.limits.Budget: searches
+        run side by side up to a bound on their KV cache), its hypotheses as the choices."""
         plan = self.plan
-        with BEAM_LOCK:
+        with budget.take(plan.beam_tokens):
             out = beam_search(engine.params, engine.config, plan.prompts, jax.random.key(plan.seed),
                               sampling=plan.sampling, **plan.beam_settings)  # fmt: skip
         for c in self.choices:

@@ -26,6 +26,8 @@ MEANING = {
     400: "invalid request: a bad or unknown field, malformed JSON, a prompt too long for the server",
     401: "no valid API key (when the server has keys)",
     404: "no such model",
+    408: "the request body stopped arriving (the server's --idle-timeout)",
+    413: "the request body is over the server's --max-body-bytes",
     429: "every slot is busy and the queue is full",
     503: "the server is starting or shutting down",
 }

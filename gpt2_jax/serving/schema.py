@@ -149,7 +149,8 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.kind = kind or {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-                             429: "rate_limit_error", 503: "server_error"}.get(status, "server_error")  # fmt: skip
+                             408: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+                             503: "server_error"}.get(status, "server_error")  # fmt: skip
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}

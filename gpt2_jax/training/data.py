@@ -21,6 +21,8 @@ from gpt2_jax.checkpoints.atomic import atomic_dir
 from gpt2_jax.errors import GPT2JaxError
 from gpt2_jax.tokenizer import EOT, tokenizer
 
+PREPARED_FILES = ("train.bin", "val.bin", "meta.json")  # what prepare writes, and so may replace
+
 
 class DataError(GPT2JaxError):
     """Missing, empty or too-short training data."""
@@ -49,7 +51,7 @@ def prepare(src: str | Path, out: str | Path, *, val_fraction: float = 0.1, forc
     tokens = np.asarray(ids, np.uint16)
     n_val = max(1, int(len(tokens) * val_fraction))
     meta = {"n_train": len(tokens) - n_val, "n_val": n_val, "files": [f.name for f in files], "vocab": enc.n_vocab}
-    with atomic_dir(Path(out), force) as tmp:
+    with atomic_dir(Path(out), force, PREPARED_FILES) as tmp:
         tokens[:-n_val].tofile(tmp / "train.bin")
         tokens[-n_val:].tofile(tmp / "val.bin")
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))

@@ -58,6 +58,7 @@ def regex_problem(pattern: str) -> str | None:
 
 
 MAX_STATES = 1 << 16  # the library's bound on a pattern's size (estimate_states); a server sets its own
+CHARS_PER_STATE = 64  # a pattern longer than this many characters per allowed state is refused unread
 
 
 def estimate_states(pattern: str) -> int | None:
@@ -93,7 +94,13 @@ def estimate_states(pattern: str) -> int | None:
 
 
 def check_size(pattern: str, max_states: int, what: str) -> None:
-    """ConstraintError when the pattern's estimated size is over max_states (before any costly indexing)."""
+    """ConstraintError when the pattern's estimated size is over max_states (before any costly indexing). A pattern
+    over CHARS_PER_STATE characters a state is refused by its length alone: estimating takes time linear in the
+    length (seconds for the megabytes of regex a JSON schema with hundreds of optional properties becomes), and
+    even a verbose pattern (JSON's string classes) spends only a few characters on each state."""
+    if len(pattern) > CHARS_PER_STATE * max_states:
+        raise ConstraintError(f"{what} is too large: its regex is {len(pattern)} characters, over the limit of "
+                              f"{CHARS_PER_STATE} x {max_states} states = {CHARS_PER_STATE * max_states}")  # fmt: skip
     n = estimate_states(pattern)
     if n is not None and n > max_states:
         raise ConstraintError(f"{what} is too large: about {n} states, over the limit of {max_states} states")
