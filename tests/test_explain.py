@@ -51,7 +51,8 @@ def test_lens_and_output(model):
     resid = gpt2_jax.interp.accumulated_resid(cache, config)[:, 0]
     import jax
 
-    p = np.asarray(jax.nn.softmax(gpt2_jax.interp.logit_lens(params, resid[2], config), axis=-1))
+    logits = gpt2_jax.interp.logit_lens(params, resid[2], config)
+    p = np.stack([np.asarray(jax.nn.softmax(row)) for row in logits])  # each position's own distribution
     assert decode_array(lens["top_ids"])[2].tolist() == p.argmax(-1).tolist()
     assert np.array_equal(bits(decode_array(lens["top_p"])[2]), bits(p.max(-1)))
 
@@ -111,3 +112,27 @@ def test_twelve_layers_of_gpt2_small_widths():
     v = explain_data(params, config, ids, "layer", layer=11)
     for name, point in (("stage_softmax", "attn.hook_pattern"), ("mlp_post", "mlp.hook_post"), ("v", "attn.hook_v")):
         assert np.array_equal(bits(decode_array(v[name])), bits(cache[f"blocks.11.{point}"][0])), name
+
+
+def test_a_new_prompt_length_within_its_bucket_compiles_nothing(model):
+    """Prompts are padded to power-of-two buckets and the layer is a traced value: after one prompt's views,
+    another length in the same bucket, on another layer, compiles no program (counted from JAX's own
+    compile events)."""
+    import jax
+
+    params, config = model
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, _secs, **_: (
+            compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None
+        )
+    )
+    views = (("embedding", {}), ("layer", {"layer": 0}), ("output", {}), ("lens", {}), ("dla", {}),
+             ("sampling", {"settings": SETTINGS}), ("dropout", {"layer": 0}))  # fmt: skip
+    for view, kw in views:
+        explain_data(params, config, "ROMEO: what", view, **kw)
+    compiles.clear()
+    for view, kw in views:
+        kw = {**kw, "layer": 2} if "layer" in kw else kw
+        explain_data(params, config, "JULIET: O Romeo, Romeo", view, **kw)  # 8 tokens: the same 16 bucket
+    assert compiles == [], f"{len(compiles)} programs compiled for a new length in the bucket"

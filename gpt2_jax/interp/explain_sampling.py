@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from gpt2_jax.config import GPT2Config
+from gpt2_jax.errors import InputError
 from gpt2_jax.interp.explain_views import encode_array, run, tokens_view, top_tokens
 from gpt2_jax.sampling import SamplingParams, filter_logits, next_token_probs, process_logits, row_settings, sample
 
@@ -28,9 +29,18 @@ STAGES = ("raw", "processors", "temperature", "top_k", "top_p", "min_p")  # each
 def checked(settings: dict[str, Any]) -> SamplingParams:
     """The sampling settings (SamplingParams' names; logit_bias keys may be strings of ids), checked as
     generate checks them: a ConfigError names the bad one."""
+    if not isinstance(settings, dict):
+        raise InputError(f"settings must be an object of sampling settings, got {type(settings).__name__}")
     settings = {k: v for k, v in settings.items() if v is not None}
-    if "logit_bias" in settings:
-        settings["logit_bias"] = {int(t): float(b) for t, b in settings["logit_bias"].items()}
+    unknown = sorted(set(settings) - set(PROCESSORS + WARPERS))
+    if unknown:
+        raise InputError(f"{unknown[0]} is not an explainer setting; settings: {', '.join(PROCESSORS + WARPERS)}")
+    bias = settings.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise InputError(f"logit_bias must map token ids to biases, got {type(bias).__name__}")
+        ids = {t: int(t) if isinstance(t, str) and t.strip().isdigit() else t for t in bias}
+        settings["logit_bias"] = {ids[t]: b for t, b in bias.items()}
     return SamplingParams(**settings)
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -149,16 +150,27 @@ def output_view(params, out: dict, config: GPT2Config) -> dict:
             "unembedding": "wte.T (tied: logits = ln_f(x) @ wte.T)" if tied else "a separate lm_head"}  # fmt: skip
 
 
+@functools.partial(jax.jit, static_argnames="config")
+def _lens_logits(params, resid: jax.Array, config: GPT2Config) -> jax.Array:
+    """The residual stream [T, D] decoded by the lens -> logits [T, V] (logit_lens, its bits)."""
+    return logit_lens(params, resid, config)
+
+
 def lens_view(params, out: dict, config: GPT2Config) -> dict:
     """The logit lens over the accumulated residual stream: for each of L + 1 depths and each position,
     the top token and its probability, the stream decoded by ln_f and wte as if the later blocks added nothing."""
     resid = np.concatenate([out["all.hook_resid_pre"], out["all.hook_resid_post"][-1:]])  # [L + 1, 1, T, D]
     ids, probs = [], []
+    T = resid.shape[2]
+    size = min(bucket(T, MIN_BUCKET), config.n_positions)  # the bucket's length: a new T compiles nothing
     for depth in resid:  # one depth at a time bounds the [T, V] logits held at once
-        p = jax.nn.softmax(logit_lens(params, depth[0], config), axis=-1)
-        top = np.asarray(jnp.argmax(p, axis=-1))
+        logits = _lens_logits(params, jnp.asarray(np.pad(depth[0], ((0, size - T), (0, 0)), mode="edge")), config)
+        # each position's softmax over its own row [V]: a softmax over [T, V] sums a row in an order that
+        # depends on T on a multi-device CPU, so its bits would change with the prompt's length
+        rows = [np.asarray(jax.nn.softmax(logits[t])) for t in range(T)]
+        top = np.array([row.argmax() for row in rows])
         ids.append(top)
-        probs.append(np.take_along_axis(np.asarray(p), top[:, None], axis=-1)[:, 0])
+        probs.append(np.array([row[i] for row, i in zip(rows, top)], np.float32))
     enc = tokenizer()
     texts = [[enc.decode([int(t)]) for t in row] for row in ids]
     return {"top_ids": encode_array(np.stack(ids)), "top_p": encode_array(np.stack(probs)), "texts": texts}
