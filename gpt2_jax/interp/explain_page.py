@@ -43,7 +43,8 @@ def explain_data(params, config: GPT2Config, prompt: Any, view: str, *, layer: A
     checked(settings)
     layer = views.check_layer(layer, config) if view in ("layer", "dropout") else 0
     if view == "tokens":
-        return {**views.tokens_view(ids), "prompt_len": len(prompt)}
+        shape = {k: getattr(config, k) for k in ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size")}
+        return {**views.tokens_view(ids), "prompt_len": len(prompt), "config": shape}
     if view == "sampling":
         return sampling_view(params, config, prompt, outputs, settings, seed)
     if view == "steps":
@@ -111,13 +112,16 @@ class Explanation:
 
 
 def explain(params, config: GPT2Config, prompt: Any, *, seed: int = 0, steps: int = 4, model: str = "model",
-            **settings: Any) -> Explanation:  # fmt: skip
+            view: str = "tokens", **settings: Any) -> Explanation:  # fmt: skip
     """Every view of `prompt` (all L blocks, the sampling stages with `settings` (SamplingParams' names),
     `steps` seeded draws, the lens, DLA and dropout of block 0) -> an Explanation: display it in Jupyter,
-    or .save("page.html") for a page that works offline."""
+    or .save("page.html") for a page that works offline. `view` is the one the page opens on."""
+    if view not in VIEWS:
+        raise InputError(f"unknown view {view!r}; views: {', '.join(VIEWS)}")
     kw = dict(settings=settings, seed=seed)
     one = lambda view, **more: explain_data(params, config, prompt, view, **kw, **more)
     data = {"model": model, "n_layer": config.n_layer, "n_head": config.n_head, "settings": settings, "seed": seed,
+            "open": view,
             "tokens": one("tokens"), "embedding": one("embedding"),
             "layers": [one("layer", layer=l) for l in range(config.n_layer)], "output": one("output"),
             "sampling": one("sampling"), "steps": one("steps", steps=steps) if steps else None,
