@@ -73,6 +73,12 @@ def test_sampling_stages_and_steps_are_the_library(model):
     want = gpt2_jax.generate(params, config, [ids], seed=7, max_new_tokens=8, **{**SETTINGS, "logit_bias": {11: 2.0}})
     assert steps["tokens"] == want.tokens[0].tolist() and steps["tokens"][0] == view["token"]
     assert steps["steps"][1]["kv_reused"] == len(ids) and steps["steps"][1]["kv_new"] == [len(ids)]
+    # continuing from drawn tokens: the penalties count them as outputs, so the draws go on as generate's do
+    drawn = want.tokens[0, :3].tolist()
+    later = explain_data(params, config, PROMPT, "steps", outputs=drawn, settings=SETTINGS, seed=7, steps=5)
+    assert later["tokens"] == want.tokens[0, 3:8].tolist() and later["steps"][0]["kv_new"] == list(range(len(ids) + 3))
+    nxt = explain_data(params, config, PROMPT, "sampling", outputs=drawn, settings=SETTINGS, seed=7)
+    assert nxt["token"] == want.tokens[0, 3]
 
 
 def test_padding_changes_nothing(model):

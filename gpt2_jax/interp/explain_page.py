@@ -50,7 +50,7 @@ def explain_data(params, config: GPT2Config, prompt: Any, view: str, *, layer: A
     if view == "steps":
         if not isinstance(steps, int) or isinstance(steps, bool) or not 1 <= steps <= MAX_STEPS:
             raise InputError(f"steps must be an int in [1, {MAX_STEPS}], got {steps!r}")
-        return steps_view(params, config, ids, steps, settings, seed)
+        return steps_view(params, config, prompt, outputs, steps, settings, seed)
     if view == "dropout":
         return views.dropout_view(params, config, ids, layer, seed)
     out = views.run(params, config, ids, layer)

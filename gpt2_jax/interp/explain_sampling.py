@@ -101,11 +101,12 @@ def sampling_view(params, config: GPT2Config, prompt: list[int], outputs: list[i
             "seed": seed}  # fmt: skip
 
 
-def steps_view(params, config: GPT2Config, prompt: list[int], n: int, settings: dict, seed: int) -> dict:
-    """n draws, each appended and the prompt run again; per step the token, and which key/value entries
-    a KV cache would reuse (every earlier position) and which it computes new (the prompt at the first
-    step, then the one token fed)."""
-    s, outputs, steps = checked(settings), [], []
+def steps_view(params, config: GPT2Config, prompt: list[int], drawn: list[int], n: int, settings: dict, seed: int):
+    """n more draws after prompt + drawn, each appended and the sequence run again (the penalties count the
+    drawn tokens as generate's outputs); per step the token, and which key/value entries a KV cache would
+    reuse (every earlier position) and which it computes new (the whole sequence at the first step, then the
+    one token fed)."""
+    s, outputs, steps = checked(settings), list(drawn), []
     for i in range(n):
         ids = prompt + outputs
         processed = processed_logits(run(params, config, ids)["logits"][0, -1], s, prompt, outputs, config)
@@ -115,4 +116,5 @@ def steps_view(params, config: GPT2Config, prompt: list[int], n: int, settings: 
         outputs.append(token)
         if token == config.eos_id:  # generate's row ends here
             break
-    return {"tokens": outputs, "pieces": tokens_view(outputs)["pieces"] if outputs else [], "steps": steps}
+    made = outputs[len(drawn) :]
+    return {"tokens": made, "pieces": tokens_view(made)["pieces"] if made else [], "steps": steps}

@@ -133,8 +133,10 @@ def layer_view(out: dict, layer: int) -> dict:
 
 
 def top_tokens(probs: np.ndarray, n: int = TOP) -> list[dict]:
-    """probs [V] -> the n most likely tokens (ties: the lower id first), each id, text and probability."""
+    """probs [V] -> the n most likely tokens (ties: the lower id first), each id, text and probability; a
+    token a filter removed (probability 0) is never listed."""
     enc, order = tokenizer(), np.lexsort((np.arange(probs.size), -probs))[:n]
+    order = order[probs[order] > 0]
     return [{"id": int(t), "text": enc.decode([int(t)]), "p": float(probs[t])} for t in order]
 
 
