@@ -5,7 +5,8 @@ displays (a data-* attribute, 9 significant digits, which round-trip float32), c
 library's own: run_with_cache, the logit lens, the sampling filters, generate. The page may ask nothing of
 any host but the one that served it.
 
-One browser serves the module; the served tests share one server on the bundled model.
+One browser serves the module; the served tests share one server per model: the bundled one, then a random
+12-layer checkpoint of gpt2-small's widths.
 """
 
 import json
@@ -21,6 +22,7 @@ pytest.importorskip("playwright")
 
 import gpt2_jax
 from gpt2_jax.interp import decode_array
+from tests.reference import make_hf_model
 from tests.servers import Server
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -59,10 +61,20 @@ def browser():
         b.close()
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+@pytest.fixture(scope="module", params=["bundled", "gpt2-small widths"])
+def served(request, tmp_path_factory, model):
+    """`gpt2-jax explain` on the bundled model, then on a random 12-layer gpt2-small-width checkpoint (12 heads
+    of 64, D = 768) saved with save_pretrained -> (server, (params, config) as the server computes them)."""
     pytest.importorskip("fastapi")
-    s = Server(tmp_path_factory.mktemp("jax-cache"), ["--max-batch", "2", "--max-seq", "128"], command="explain")
+    checkpoint, loaded = [], model
+    if request.param != "bundled":
+        path = tmp_path_factory.mktemp("gpt2-small-widths")
+        make_hf_model(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, n_positions=256, seed=2).save_pretrained(
+            path
+        )
+        checkpoint, loaded = ["--model", str(path)], gpt2_jax.load(path, dtype="float32")
+    s = Server(tmp_path_factory.mktemp("jax-cache"), [*checkpoint, "--max-batch", "2", "--max-seq", "128"],
+               command="explain")  # fmt: skip
     s.start()
     s.wait()
     # `gpt2-jax explain` is `serve` that also tells the user where to point a browser (the line after "ready on")
@@ -70,7 +82,7 @@ def server(tmp_path_factory):
     while want not in s.lines and time.monotonic() < deadline:
         time.sleep(0.1)
     assert want in s.lines, "".join(s.lines[-20:])
-    yield s
+    yield s, loaded
     s.stop()
 
 
@@ -180,10 +192,10 @@ def test_the_saved_page_works_offline(model, browser, tmp_path):
     p.page.close()
 
 
-def test_the_served_page_shows_run_with_caches_bits(server, model, browser):
+def test_the_served_page_shows_run_with_caches_bits(served, browser):
     """Type a prompt: the tokens are the tokenizer's; a head's pattern, an MLP pre-activation window and
     every logit-lens cell are run_with_cache's bits; a layer is asked for only when paged to."""
-    params, config = model
+    server, (params, config) = served
     p = Page(browser, server.url + "/")
     p.page.goto(server.url + "/explain")
     assert p.settle() == "ready", p.text("#error")
@@ -227,12 +239,12 @@ def test_the_served_page_shows_run_with_caches_bits(server, model, browser):
     p.page.close()
 
 
-def test_the_served_sampling_stages_and_steps_are_the_librarys(server, model, browser):
+def test_the_served_sampling_stages_and_steps_are_the_librarys(served, browser):
     """Composed settings (temperature, top-k, top-p, min-p and a repetition penalty at once): each stage's kept
     count and top probabilities are the library's filters; N steps and Step give generate's tokens."""
     from gpt2_jax.sampling import next_token_probs, process_logits
 
-    params, config = model
+    server, (params, config) = served
     ids = gpt2_jax.tokenizer().encode(PROMPT)
     p = Page(browser, server.url + "/")
     p.page.goto(server.url + "/explain")
@@ -281,9 +293,10 @@ def test_the_served_sampling_stages_and_steps_are_the_librarys(server, model, br
     p.page.close()
 
 
-def test_bad_input_gets_a_clear_message_and_a_400(server, browser):
+def test_bad_input_gets_a_clear_message_and_a_400(served, browser):
     """An empty prompt, a prompt over the context and an unknown layer: the endpoint answers 400 and the page
     shows its message in #error; a good run afterwards clears it."""
+    server, _ = served
     p = Page(browser, server.url + "/")
     statuses = []
     p.page.on("response", lambda r: statuses.append(r.status) if r.url.endswith("/v1/explain") else None)
