@@ -14,22 +14,27 @@ import urllib.request
 
 
 class Server:
-    """`python -m gpt2_jax serve --port 0` as a subprocess; its stderr lines are kept."""
+    """`python -m gpt2_jax serve --port 0` (or `explain`, which also prints the page's URL on stdout) as a
+    subprocess; its stderr lines are kept (and the stdout lines of `explain`)."""
 
-    def __init__(self, cache_dir, args=(), key=None, env=None):
+    def __init__(self, cache_dir, args=(), key=None, env=None, command="serve"):
         self.cache_dir, self.proc, self.port, self.lines = cache_dir, None, None, []
-        self.args, self.key, self.env = list(args), key, dict(env or {})
+        self.args, self.key, self.env, self.command = list(args), key, dict(env or {}), command
 
     def start(self):
         env = {**os.environ, "GPT2_JAX_COMPILATION_CACHE": str(self.cache_dir), **self.env}
         self.port, self.lines, self.ready = None, [], threading.Event()
         self.started = time.monotonic()
-        self.proc = subprocess.Popen([sys.executable, "-m", "gpt2_jax", "serve", "--port", "0", *self.args],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+        # serve: stderr read, stdout dropped; explain: stderr merged into stdout, which is read
+        out, err = (
+            (subprocess.DEVNULL, subprocess.PIPE) if self.command == "serve" else (subprocess.PIPE, subprocess.STDOUT)
+        )
+        self.proc = subprocess.Popen([sys.executable, "-m", "gpt2_jax", self.command, "--port", "0", *self.args],
+                                     stdout=out, stderr=err, text=True, env=env)  # fmt: skip
         threading.Thread(target=self._read, args=(self.proc,), daemon=True).start()
 
     def _read(self, proc):
-        for line in proc.stderr:
+        for line in proc.stderr if self.command == "serve" else proc.stdout:
             self.lines.append(line)
             m = re.search(r"gpt2-jax serve: ready on http://127\.0\.0\.1:(\d+)", line)
             if m:

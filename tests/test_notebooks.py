@@ -17,6 +17,7 @@ FIGURES = {"01_architecture": 1, "02_mlp_and_gelu": 2, "03_attention_and_kv_cach
            "05_convert_and_generate": 1, "06_training": 1, "07_logits_processors": 7,
            "08_determinism": 3, "09_inside_gpt2": 6, "10_speculative_decoding": 1, "11_rl": 2, "12_flax_nnx": 2,
            "13_beam_search": 3}  # fmt: skip
+EXPLAINED = {"01_architecture", "02_mlp_and_gelu", "03_attention_and_kv_cache", "04_sampling"}  # the page inline
 
 
 def test_there_are_notebooks():
@@ -55,6 +56,9 @@ def test_notebook_runs(path):
     assert not [o for o in outputs if o.output_type == "error"]
     figures = [o for o in outputs if "image/png" in o.get("data", {})]
     assert len(figures) == FIGURES.get(path.stem, len(figures)), f"{path.name} drew {len(figures)} figures"
+    pages = [o["data"]["text/html"] for o in outputs if "text/html" in o.get("data", {})]
+    pages = [p for p in pages if "<iframe srcdoc=" in p and "/v1/explain" in p and "&quot;tokens&quot;:" in p]
+    assert len(pages) == (path.stem in EXPLAINED), f"{path.name} shows the explainer {len(pages)} times"
     if path.stem == "05_convert_and_generate":
         commands = printed_commands(nb)
         assert [argv[:2] for argv in commands] == [["python", str(path.parents[1] / "convert" / "convert_pytorch.py")],

@@ -58,6 +58,49 @@ def test_keys_guard_everything_but_health_and_the_page(server):
     assert out.usage.completion_tokens == 3
 
 
+def explain_post(server, body, key=KEY):
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    status, raw = status_of(server.url + "/v1/explain", headers, json.dumps(body).encode())
+    return status, json.loads(raw)
+
+
+def test_explain_endpoint_answers_the_librarys_bits_and_names_bad_input(server):
+    """POST /v1/explain is the explainer page's one data source: the same numbers explain_data computes in this
+    process on the same float32 weights (bit for bit), errors as 400s naming the field; the page needs no key."""
+    import numpy as np
+
+    import gpt2_jax
+    from gpt2_jax.interp import decode_array, explain_data
+
+    status, page = status_of(server.url + "/explain")
+    assert status == 200 and b"/v1/explain" in page
+    body = {"prompt": "ROMEO: But soft", "view": "layer", "layer": 2}
+    assert explain_post(server, body, key=None)[0] == 401
+    status, got = explain_post(server, body)
+    assert status == 200, got
+    params, config = gpt2_jax.load(gpt2_jax.BUNDLED_MODEL, dtype="float32")  # the server's weights (CPU: float32)
+    want = explain_data(params, config, "ROMEO: But soft", "layer", layer=2)
+    for name in ("stage_softmax", "mlp_pre", "q", "resid_post"):
+        assert np.array_equal(decode_array(got[name]).view(np.uint32), decode_array(want[name]).view(np.uint32)), name
+    settings = {"temperature": 0.7, "top_k": 50, "top_p": 0.9, "logit_bias": {"11": -100}}
+    status, got = explain_post(server, {"prompt": "ROMEO:", "view": "sampling", "settings": settings, "seed": 4})
+    want = explain_data(params, config, "ROMEO:", "sampling", settings=settings, seed=4)
+    assert status == 200 and got["token"] == want["token"]
+    assert [s["kept"] for s in got["stages"]] == [s["kept"] for s in want["stages"]]
+    for bad, param, words in (
+        ({"prompt": "", "view": "tokens"}, "prompt", "the prompt is empty"),
+        ({"prompt": "O " * 300, "view": "tokens"}, "prompt", "more than the context n_positions=256"),
+        ({"prompt": "O", "view": "layer", "layer": 4}, "layer", "unknown layer 4: this model has layers 0..3"),
+        ({"prompt": "O", "view": "sampling", "settings": {"top_k": -1}}, "settings", "top_k must be"),
+        ({"prompt": "O", "view": "sampling", "settings": {"beam": 2}}, "settings", "beam is not an explainer setting"),
+        ({"prompt": "O", "view": "steps", "steps": 0}, "steps", "steps must be an int in [1, 64]"),
+        ({"prompt": "O", "view": "heads"}, "view", "unknown view 'heads'"),
+        ({"prompt": [50257], "view": "tokens"}, "prompt", "token id 50257 is outside the vocab"),
+    ):
+        status, got = explain_post(server, bad)
+        assert status == 400 and got["error"]["param"] == param and words in got["error"]["message"], (bad, got)
+
+
 def test_key_comparison():
     keys = (b"alpha", b"beta")
     assert _authorized("Bearer beta", keys) and _authorized("bearer alpha", keys)

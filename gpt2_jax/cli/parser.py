@@ -32,7 +32,7 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The whole command line's parser (gpt2-jax generate|convert|train|data|serve|rl)."""
+    """The whole command line's parser (gpt2-jax generate|convert|train|data|serve|explain|rl)."""
     parser = argparse.ArgumentParser(prog="gpt2-jax", description="GPT-2 in JAX: generate text, convert checkpoints")
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     _cache_arg(rl)
     cli_serve.serve_parser(sub.add_parser("serve", help="serve an OpenAI-compatible completions API over HTTP",
                                  formatter_class=HelpFormatter), _cache_arg)  # fmt: skip
+    cli_serve.serve_parser(sub.add_parser("explain", help="serve the explainer page (GPT-2's real internals for a "
+                                          "prompt, view by view) and print its URL; every serve flag applies",
+                                          formatter_class=HelpFormatter), _cache_arg)  # fmt: skip
     return parser
 
 
@@ -176,10 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "convert":
             return cli_convert.run(args)
-        if args.command in ("generate", "train", "serve", "rl"):
+        if args.command in ("generate", "train", "serve", "explain", "rl"):
             _use_compile_cache(args)
         return {"generate": cli_generate.run_generate, "train": cli_train.run_train, "data": cli_train.run_data,
-                "serve": cli_serve.run_serve, "rl": cli_rl.run_rl}[args.command](args)  # fmt: skip
+                "serve": cli_serve.run_serve, "explain": cli_serve.run_serve, "rl": cli_rl.run_rl}[args.command](args)  # fmt: skip
     except GPT2JaxError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -265,6 +265,8 @@ def run_serve(args: argparse.Namespace) -> int:
                         f"in the background{'; API keys required' if keys else ''}")  # fmt: skip
                     shown = f"[{host}]" if family == socket.AF_INET6 else host
                     say(f"ready on http://{shown}:{port}")
+                    if args.command == "explain":  # the one line the reader needs, on stdout
+                        print(f"the explainer: http://{shown}:{port}/explain", flush=True)
 
         server = Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                        timeout_graceful_shutdown=10, timeout_keep_alive=bounds.idle_timeout,

@@ -5,8 +5,15 @@ run_with_hooks(params, tokens, config, hooks={name: fn}) -> logits (differentiab
 hooks({name: fn}) -> Hooks: the hashable form that model.forward_cached (generation) takes
 hook_names(config): every name, in forward order
 logit_lens, accumulated_resid, direct_logit_attribution, activation_patching: tools on top
+explain_data(params, config, prompt, view): one view of a prompt's real internals, floats lossless (the explainer's data)
+explain(params, config, prompt, ...) -> Explanation: every view, shown inline in Jupyter or saved as one offline page
+explain_page_html(data=None): the explainer page (`gpt2-jax serve` serves it at /explain)
 """
 
+from gpt2_jax.interp.explain_page import VIEWS as EXPLAIN_VIEWS
+from gpt2_jax.interp.explain_page import Explanation, explain, explain_data
+from gpt2_jax.interp.explain_page import page_html as explain_page_html
+from gpt2_jax.interp.explain_views import decode_array, encode_array
 from gpt2_jax.interp.hooks import BLOCK_POINTS, Hooks, hook_names, hooks
 from gpt2_jax.interp.lens import Attribution, accumulated_resid, direct_logit_attribution, dla_names, logit_lens
 from gpt2_jax.interp.patching import Patching, activation_patching
@@ -14,13 +21,20 @@ from gpt2_jax.interp.run import run_with_cache, run_with_hooks, traced
 
 __all__ = [
     "BLOCK_POINTS",
+    "EXPLAIN_VIEWS",
     "Attribution",
+    "Explanation",
     "Hooks",
     "Patching",
     "accumulated_resid",
     "activation_patching",
+    "decode_array",
     "direct_logit_attribution",
     "dla_names",
+    "encode_array",
+    "explain",
+    "explain_data",
+    "explain_page_html",
     "hook_names",
     "hooks",
     "logit_lens",

@@ -1,5 +1,6 @@
 """An OpenAI-compatible HTTP API over the serving engine: /v1/completions (plain and streamed), /v1/models,
-/tokenize and /detokenize (vLLM's), /health, /metrics, and a playground page at /.
+/tokenize and /detokenize (vLLM's), /health, /metrics, a playground page at /, and the explainer (its page at
+/explain, its numbers from POST /v1/explain: explain.py).
 
 `create_app(engine, tokenizer, model_name)` returns a FastAPI app; `gpt2-jax serve` runs it with uvicorn;
 `serving.warmup` compiles what requests will run. The parts: schema.py (request bodies, OpenAI-shaped
@@ -27,7 +28,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 
-from gpt2_jax.serving import openapi
+from gpt2_jax.serving import explain, openapi
 from gpt2_jax.serving.completions import Completions
 from gpt2_jax.serving.engine import Engine
 from gpt2_jax.serving.limits import BodyLimit, Limits
@@ -42,7 +43,7 @@ from gpt2_jax.serving.schema import (
 )
 
 TOKENIZING = 2  # /tokenize and /detokenize calls tokenizing at once; more wait their turn
-OPEN_PATHS = {"/health", "/", "/openapi.json", "/docs", "/docs/oauth2-redirect"}  # no key needed
+OPEN_PATHS = {"/health", "/", "/explain", "/openapi.json", "/docs", "/docs/oauth2-redirect"}  # no key needed
 
 
 def _authorized(header: str | None, keys: tuple[bytes, ...]) -> bool:
@@ -162,5 +163,6 @@ def create_app(engine: Engine, tokenizer: Any, model_name: str, *, log: Any = No
     async def completions_endpoint(http: HTTPRequest):
         return await completions.handle(http)
 
+    explain.install(app, engine, enc, check_model)
     openapi.install(app, model_name, engine.max_seq, engine.config.valid_vocab)
     return app
