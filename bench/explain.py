@@ -18,6 +18,7 @@ import argparse
 import itertools
 import json
 import os
+import re
 import statistics
 import tempfile
 import threading
@@ -99,6 +100,18 @@ def streams(url: str, prompt: list[int] | None, layers: int) -> tuple[float, flo
     return statistics.median(gaps), max(gaps), count[0]
 
 
+def idle(url: str, timeout: float = 900) -> None:
+    """Wait until /metrics reports no program compiling in the background."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+            m = re.search(r"^gpt2_jax_compiling_programs (\S+)$", r.read().decode(), re.M)
+        if m and float(m.group(1)) == 0:
+            return
+        time.sleep(1)
+    raise SystemExit("the server still compiles in the background after 900 s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=12)
@@ -132,15 +145,19 @@ def main() -> None:
             urllib.request.urlopen(
                 urllib.request.Request(url + "/v1/explain", body, {"content-type": "application/json"}), timeout=600
             ).read()
-            alone_median, alone_max, _ = streams(url, None, args.layers)
-            median, largest, n = streams(url, prompt, args.layers)
-            print(f"4 greedy streams alone: median gap {alone_median * 1e3:.1f} ms, largest {alone_max * 1e3:.1f} ms "
-                  f"= {alone_max / alone_median:.2f}x")  # fmt: skip
-            print(f"while {n} layer views were answered: median {median * 1e3:.1f} ms ({median / alone_median:.2f}x "
-                  f"alone's), largest {largest * 1e3:.1f} ms = {largest / median:.2f}x its median, "
-                  f"{largest / alone_median:.2f}x alone's median")  # fmt: skip
-            verdict = largest / median < 3 and median / alone_median <= 2
-            print(f"target: largest < 3x the median and median <= 2x alone's: {'PASS' if verdict else 'MISS'}")
+            idle(url)  # the programs the server builds in the background would share the cores with both runs
+            verdicts = []
+            for run in range(2):  # alternated: a stall that is not the explainer's shows in the alone runs too
+                alone_median, alone_max, _ = streams(url, None, args.layers)
+                median, largest, n = streams(url, prompt, args.layers)
+                print(f"run {run + 1}: 4 greedy streams alone: median gap {alone_median * 1e3:.1f} ms, largest "
+                      f"{alone_max * 1e3:.1f} ms = {alone_max / alone_median:.2f}x")  # fmt: skip
+                print(f"run {run + 1}: while {n} layer views were answered: median {median * 1e3:.1f} ms "
+                      f"({median / alone_median:.2f}x alone's), largest {largest * 1e3:.1f} ms = "
+                      f"{largest / median:.2f}x its median, {largest / alone_median:.2f}x alone's median")  # fmt: skip
+                verdicts.append(largest / median < 3 and median / alone_median <= 2)
+            print(f"target: largest < 3x the median and median <= 2x alone's, in both runs: "
+                  f"{'PASS' if all(verdicts) else 'MISS'}")  # fmt: skip
         finally:
             stop(proc)
 
