@@ -142,3 +142,35 @@ def test_a_new_prompt_length_within_its_bucket_compiles_nothing(model):
         kw = {**kw, "layer": 2} if "layer" in kw else kw
         explain_data(params, config, "JULIET: O Romeo, Romeo", view, **kw)  # 8 tokens: the same 16 bucket
     assert compiles == [], f"{len(compiles)} programs compiled for a new length in the bucket"
+
+
+def test_each_heads_share_of_the_logit_is_its_z_through_its_c_proj_rows():
+    """head_attribution against a float64 numpy loop over run_with_cache's hook_z and the params' c_proj; a
+    layer's heads and c_proj bias add up to direct_logit_attribution's attn term; the dla view sends both."""
+    from gpt2_jax.interp import direct_logit_attribution, head_attribution
+
+    params, config = gpt2_jax.load(gpt2_jax.BUNDLED_MODEL, dtype="float32")  # a bfloat16 c_proj rounds its sum
+    ids = gpt2_jax.tokenizer().encode(PROMPT)
+    _, cache = gpt2_jax.run_with_cache(params, np.array([ids]), config)
+    target, H, K = 198, config.n_head, config.n_embd // config.n_head
+    got = head_attribution(params, cache, config, target)
+    f64 = lambda a: np.asarray(a, np.float64)
+    direction = f64(params["ln_f"]["weight"]) * f64(params["wte"][target])
+    scale = float(cache["ln_final.hook_scale"][0, -1, 0])
+    share = lambda x: float(((x - x.mean()) / scale * direction).sum())
+    for l in range(config.n_layer):
+        w = f64(params["h"][l]["attn"]["c_proj"]["weight"])  # [D out, D in]: head h's inputs are columns hK..hK+K
+        z = f64(cache[f"blocks.{l}.attn.hook_z"][0, -1])  # [H, K]
+        for h in range(H):
+            assert float(got.heads[0, l, h]) == pytest.approx(
+                share(w[:, h * K : (h + 1) * K] @ z[h]), rel=1e-4, abs=1e-5
+            )
+        b = f64(params["h"][l]["attn"]["c_proj"]["bias"])
+        assert float(got.bias[0, l]) == pytest.approx(share(b), rel=1e-4, abs=1e-5)
+    attn = direct_logit_attribution(params, cache, config, target).attn
+    np.testing.assert_allclose(np.asarray(got.heads.sum(-1) + got.bias), np.asarray(attn), rtol=1e-5, atol=1e-5)
+    v = explain_data(params, config, PROMPT, "dla", settings={"temperature": 0.0})
+    drawn = v["target"]
+    want = head_attribution(params, cache, config, drawn)
+    assert np.array_equal(bits(decode_array(v["heads"])), bits(want.heads[0]))
+    assert np.array_equal(bits(decode_array(v["attn_bias"])), bits(want.bias[0]))

@@ -235,6 +235,14 @@ def test_the_served_page_shows_run_with_caches_bits(served, browser):
         row = sorted((c for c in lens if int(c["depth"]) == depth), key=lambda c: int(c["pos"]))
         assert [int(c["id"]) for c in row] == probs.argmax(-1).tolist(), depth
         assert np.array_equal(bits(shown([c["value"] for c in row])), bits(probs.max(-1))), depth
+    target = int(p.page.get_attribute("#dla", "data-target"))  # the drawn token, attributed by head
+    heads = gpt2_jax.interp.head_attribution(params, cache, config, target)
+    cells = p.data("#dla-heads td.head")
+    assert len(cells) == config.n_layer * config.n_head
+    got = np.zeros((config.n_layer, config.n_head), np.float32)
+    for c in cells:
+        got[int(c["layer"]), int(c["head"])] = float(c["value"])
+    assert np.array_equal(bits(got), bits(heads.heads[0]))
     assert not p.others, p.others
     p.page.close()
 

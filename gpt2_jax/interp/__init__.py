@@ -4,7 +4,8 @@ run_with_cache(params, tokens, config, names=None) -> (logits, {name: activation
 run_with_hooks(params, tokens, config, hooks={name: fn}) -> logits (differentiable, vmappable)
 hooks({name: fn}) -> Hooks: the hashable form that model.forward_cached (generation) takes
 hook_names(config): every name, in forward order
-logit_lens, accumulated_resid, direct_logit_attribution, activation_patching: tools on top
+logit_lens, accumulated_resid, direct_logit_attribution (and head_attribution, by head), activation_patching:
+  tools on top
 explain_data(params, config, prompt, view): one view of a prompt's real internals, floats lossless (the explainer's data)
 explain(params, config, prompt, ...) -> Explanation: every view, shown inline in Jupyter or saved as one offline page
 explain_page_html(data=None): the explainer page (`gpt2-jax serve` serves it at /explain)
@@ -15,7 +16,14 @@ from gpt2_jax.interp.explain_page import Explanation, explain, explain_data
 from gpt2_jax.interp.explain_page import page_html as explain_page_html
 from gpt2_jax.interp.explain_views import decode_array, encode_array
 from gpt2_jax.interp.hooks import BLOCK_POINTS, Hooks, hook_names, hooks
-from gpt2_jax.interp.lens import Attribution, accumulated_resid, direct_logit_attribution, dla_names, logit_lens
+from gpt2_jax.interp.lens import (
+    Attribution,
+    accumulated_resid,
+    direct_logit_attribution,
+    dla_names,
+    head_attribution,
+    logit_lens,
+)
 from gpt2_jax.interp.patching import Patching, activation_patching
 from gpt2_jax.interp.run import run_with_cache, run_with_hooks, traced
 
@@ -35,6 +43,7 @@ __all__ = [
     "explain",
     "explain_data",
     "explain_page_html",
+    "head_attribution",
     "hook_names",
     "hooks",
     "logit_lens",

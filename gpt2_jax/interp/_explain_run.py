@@ -24,8 +24,9 @@ from gpt2_jax.model import apply
 from gpt2_jax.model.attention import KEY_BLOCK, NEG_INF, block_scores, block_softmax, causal_mask
 from gpt2_jax.model.layers import attn_scale, gelu
 
-# Points recorded for every layer: [L, B, T, D] each, small next to one layer's attention and MLP.
-EVERY_LAYER = ("hook_resid_pre", "hook_attn_out", "hook_resid_mid", "hook_mlp_out", "hook_resid_post")
+# Points recorded for every layer: [L, B, T, D] each (hook_z's heads side by side, H x K = D), small next to
+# one layer's attention and MLP.
+EVERY_LAYER = ("hook_resid_pre", "attn.hook_z", "hook_attn_out", "hook_resid_mid", "hook_mlp_out", "hook_resid_post")
 GELU_GRID = 241  # points of the GELU curve drawn under a layer's pre-activations
 
 
@@ -79,7 +80,8 @@ class LayerRecorder:
                 self.i == self.root.want, self.recorded[p].astype(jnp.float32), store[f"one.{p}"]
             )
         for p in EVERY_LAYER:
-            out[f"all.{p}"] = store[f"all.{p}"].at[self.i].set(self.recorded[p].astype(jnp.float32))
+            x = self.recorded[p].astype(jnp.float32)
+            out[f"all.{p}"] = store[f"all.{p}"].at[self.i].set(x.reshape(*x.shape[:2], -1))
         return out
 
 

@@ -28,7 +28,7 @@ import numpy as np
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import InputError
 from gpt2_jax.interp._explain_run import EVERY_LAYER, explain_forward
-from gpt2_jax.interp.lens import direct_logit_attribution, logit_lens
+from gpt2_jax.interp.lens import direct_logit_attribution, head_attribution, logit_lens
 from gpt2_jax.sampling.options import bucket
 from gpt2_jax.tokenizer import tokenizer
 
@@ -185,16 +185,22 @@ def dla_cache(out: dict, config: GPT2Config) -> dict:
     for l in range(config.n_layer):
         for p in ("hook_attn_out", "hook_mlp_out"):
             cache[f"blocks.{l}.{p}"] = out[f"all.{p}"][l]
+        z = out["all.attn.hook_z"][l]  # [B, T, D]: the heads side by side
+        cache[f"blocks.{l}.attn.hook_z"] = z.reshape(*z.shape[:2], config.n_head, -1)
     return cache
 
 
 def dla_view(params, out: dict, config: GPT2Config, target: int) -> dict:
     """Direct logit attribution of `target` at the last position: the embeddings', each block's attention
-    and MLP output's and ln_f's bias' shares of its logit (they add up to it)."""
-    a = direct_logit_attribution(params, dla_cache(out, config), config, target, position=-1)
+    and MLP output's and ln_f's bias' shares of its logit (they add up to it), and each attention output's
+    split by head (with c_proj's bias)."""
+    cache = dla_cache(out, config)
+    a = direct_logit_attribution(params, cache, config, target, position=-1)
+    h = head_attribution(params, cache, config, target, position=-1)
     return {"target": int(target), "text": tokenizer().decode([int(target)]), "embed": float(a.embed[0]),
             "pos_embed": float(a.pos_embed[0]), "attn": encode_array(a.attn[0]), "mlp": encode_array(a.mlp[0]),
-            "bias": float(a.bias[0]), "total": float(a.total()[0]), "logit": float(out["logits"][0, -1, target])}  # fmt: skip
+            "bias": float(a.bias[0]), "heads": encode_array(h.heads[0]),
+            "attn_bias": encode_array(h.bias[0]), "total": float(a.total()[0]), "logit": float(out["logits"][0, -1, target])}  # fmt: skip
 
 
 def dropout_view(params, config: GPT2Config, ids: list[int], layer: int, seed: int, rate: float = DROPOUT_RATE):

@@ -6,7 +6,10 @@ partial sum as if the blocks after it added nothing; direct logit attribution sp
 into one term per summand, holding the final LayerNorm's scale (ln_final.hook_scale) fixed, which
 makes the LayerNorm linear in its input.
 
-Shape legend (gpt2_jax.config): B batch, T positions, D width, V vocab rows, L layers.
+Each block's attention output is itself a sum, one term per head (that head's z through its K rows of c_proj)
+plus c_proj's bias, so the attention terms split once more, by head (head_attribution).
+
+Shape legend (gpt2_jax.config): B batch, T positions, D width, H heads, K head dim, V vocab rows, L layers.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from gpt2_jax.errors import InputError
 from gpt2_jax.model.axes import mesh_of, on_mesh
 from gpt2_jax.model.gpt2 import unembed
 from gpt2_jax.model.layers import F32
-from gpt2_jax.model.params import Params, wte_rows
+from gpt2_jax.model.params import Params, unstack_layers, wte_rows
+from gpt2_jax.model.precision import dequantize, unpack_params
 
 _unembed = jax.jit(unembed, static_argnames="config")
 
@@ -128,3 +132,41 @@ def _bias_term(params: Params, target: jax.Array) -> jax.Array:
     if "bias" not in ln_f:
         return jnp.zeros(target.shape, F32)
     return jnp.sum(ln_f["bias"].astype(F32) * wte_rows(params, target), axis=-1)
+
+
+class HeadAttribution(NamedTuple):
+    """The attention terms of direct_logit_attribution split by head: a layer's heads and its c_proj bias add
+    up to its attn term (up to float rounding)."""
+
+    heads: jax.Array  # [B, L, H] each head's output (its z through its K rows of c_proj)
+    bias: jax.Array  # [B, L] c_proj's bias
+
+
+def head_names(config: GPT2Config) -> tuple[str, ...]:
+    """The hook names head_attribution reads from a cache."""
+    return tuple(f"blocks.{l}.attn.hook_z" for l in range(config.n_layer)) + ("ln_final.hook_scale",)
+
+
+def head_attribution(
+    params: Params, cache: Mapping[str, jax.Array], config: GPT2Config, target, position: int = -1
+) -> HeadAttribution:
+    """The logit of token `target` (an id, or [B] ids) at `position`: each attention head's direct share
+    and each c_proj bias's (cache from run_with_cache, with at least head_names(config)), read through the
+    final LayerNorm at the run's own scale and the target's unembedding, as direct_logit_attribution reads
+    a block's whole attention output."""
+    require(cache, head_names(config), "head_attribution")
+    H, K = config.n_head, config.n_embd // config.n_head
+    scale = cache["ln_final.hook_scale"][:, position]  # [B, 1]
+    B = scale.shape[0]
+    direction = logit_direction(params, jnp.broadcast_to(jnp.asarray(target, jnp.int32), (B,)))  # [B, D]
+    layers = unstack_layers(unpack_params(dequantize(params)))["h"]
+    heads, bias = [], []
+    for l in range(config.n_layer):
+        c_proj = layers[l]["attn"]["c_proj"]
+        w = c_proj["weight"].astype(F32).reshape(config.n_embd, H, K)  # [D out, H, K]: head h's K inputs
+        z = jnp.asarray(cache[f"blocks.{l}.attn.hook_z"][:, position], F32)  # [B, H, K]
+        out = jnp.einsum("BHK,DHK->BHD", z, w)  # each head's output, before the others are added
+        heads.append(_term(out, scale[:, None], direction[:, None]))
+        b = c_proj["bias"].astype(F32) if "bias" in c_proj else jnp.zeros(config.n_embd, F32)
+        bias.append(_term(jnp.broadcast_to(b, (B, config.n_embd)), scale, direction))
+    return HeadAttribution(jnp.stack(heads, axis=1), jnp.stack(bias, axis=1))
