@@ -4,7 +4,7 @@
         [--kernels on|off] [--cache off|tmp|DIR] [--devices 8|1] [--threads 1|2] [--torch off|on]
         [--tiny off|on] [--clear-caches off|on] [--seed 0]
 
-On 2026-11-30 XLA's CPU compiler segfaulted twice in one pytest process that had compiled a few hundred
+XLA's CPU compiler once segfaulted twice in one pytest process that had compiled a few hundred
 programs, each time on a decode program that compiled fine in a fresh process. This script is that process
 on purpose: random small GPT-2 configs (layers, width, heads, vocab, context), and for each of them the
 decode programs of many buckets, through the public API (generate and generate_stream with random

@@ -1,13 +1,9 @@
 """The test suite, one pytest process per test file, two files at a time: python -m tests.run [pytest args].
 
-Why one process per file: on 2026-11-30, in one pytest process that had compiled a few hundred programs,
-XLA's CPU compiler segfaulted twice while compiling a decode program that compiled fine in a fresh process.
-It has not been reproduced since: bench/compile_soak.py, one process compiling hundreds of decode programs
-with every suspect on (FFI kernels, compile cache, 8 devices and sharded programs, two compiling threads,
-torch in the process), survived every run on 2026-12-02 with jax 0.10.2 (bench/RESULTS.md, "Compile soak";
-the crash predates the FFI kernels, the serving engine and the jax pin). Each file keeps its own process
-anyway: a process holds on to every program it compiled (8-14 MiB each in those runs), and a crash,
-should one come back, fails one file instead of the whole run.
+Why one process per file: a process holds on to every program it compiled (megabytes each), and XLA's CPU
+compiler once segfaulted in a long-lived process that had compiled a few hundred programs (bench/RESULTS.md,
+"Compile soak", has the history and bench/compile_soak.py the hunt): in a process of its own, a crash fails
+one file instead of the whole run.
 Why two at a time: most of the suite's time is XLA compiling small programs, which runs on one core,
 so two files side by side use the CI machine's two cores (GPT2_JAX_TEST_JOBS=1 runs them one by one).
 The longest files start first. Prints each file's result with its wall time and a closing

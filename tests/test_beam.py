@@ -158,8 +158,8 @@ def exact_score(model, prompt, tokens, penalty) -> float:
 
 def test_the_bundled_model_equals_transformers(bundled):
     """The same hypotheses; the scores within 1e-5 of the float64 answer. transformers' own float32 beam scores
-    sit ~3e-5 from it on this trained model (its batched cached steps round each logprob ~3e-5 off, measured
-    2026-12-03; its full forward and one-row cached decode do not), so against them the bound is 1e-4."""
+    sit ~3e-5 from it on this trained model (its batched cached steps round each logprob ~3e-5 off; its full
+    forward and one-row cached decode do not), so against them the bound is 1e-4."""
     hf, params, config = bundled
     enc = gpt2_jax.tokenizer()
     prompts = [enc.encode("ROMEO:"), enc.encode("First Citizen:\nBefore we proceed any further, hear me")]

@@ -26,8 +26,8 @@ PROMPTS = ["ROMEO:\n", "JULIET:\n", "KING HENRY.\n", "First Citizen:\n"]
 
 def test_a_short_run_raises_the_reward():
     """The bundled model, rewarded for speaker lines, 8 steps of 4 prompts x 8 completions of 32 tokens at lr
-    1e-3: the mean reward of the last three steps beats the first three's by 3.42 (seeds 1-4: 4.27, 2.85, 3.94,
-    4.53; measured 2026-12-02), so a margin of 1.0 leaves room for another CPU's rounding. The mismatch is
+    1e-3: the mean reward of the last three steps beats the first three's by about 3 to 4.5 across
+    seeds, so a margin of 1.0 leaves room for another CPU's rounding. The mismatch is
     exactly 0.0 at every step."""
     params, config = gpt2_jax.load(gpt2_jax.BUNDLED_MODEL, dtype="float32")
     hyper = rl.DEFAULT_HYPER._replace(lr=1e-3, min_lr=1e-3)

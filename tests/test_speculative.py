@@ -1,7 +1,7 @@
 """Speculative decoding equals plain decoding bit for bit, whatever the proposer; statistics; errors.
 
 The reference for every token and logprob is plain `generate` with the same key and settings (itself
-pinned to transformers in test_parity/test_processors), compared as uint32, plus transformers' own
+pinned to transformers in test_checkpoints_parity/test_processors), compared as uint32, plus transformers' own
 prompt-lookup decoding for greedy and a numpy loop for the proposals.
 """
 

@@ -30,7 +30,7 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     if any(given) and not all(given):
         raise ConfigError("multi-process runs need all of --coordinator HOST:PORT, --num-processes N "
                           "and --process-id I (or none of them, where JAX detects the cluster itself)")  # fmt: skip
-    if num_processes is not None and not 0 <= process_id < num_processes:
+    if num_processes is not None and process_id is not None and not 0 <= process_id < num_processes:
         raise ConfigError(f"--process-id {process_id} is outside [0, --num-processes {num_processes})")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator, num_processes, process_id)
