@@ -1,5 +1,6 @@
 """What every bench prints first: the machine (CPU model, AVX-512/AMX, threads), its measured read
-bandwidth and matmul FLOP/s, so that a speed number never travels without the machine it came from.
+bandwidth and matmul FLOP/s, and which path each kernel takes there (gpt2_jax.kernels.report), so that a
+speed number never travels without the machine and the code paths it came from.
 (Imported from beside the bench scripts: python bench/<script>.py.)"""
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ def matmul_flops(jax, jnp) -> float:
 
 
 def describe(jax, jnp, threads: int) -> dict:
-    """Measure, print and return the machine line."""
+    """Measure, print and return the machine line, then the kernels' report (under "kernels": each op's paths)."""
+    from gpt2_jax import kernels
+
     info = cpu()
     info.update(threads=threads, bandwidth=read_bandwidth(jax, jnp), flops=matmul_flops(jax, jnp))
     print(
@@ -55,4 +58,7 @@ def describe(jax, jnp, threads: int) -> dict:
         f"{info['flops'] / 1e9:.0f} GFLOP/s (jax {jax.__version__}, {jax.devices()[0].platform})",
         flush=True,
     )
+    report = kernels.report()
+    info["kernels"] = report.paths
+    print(report, flush=True)
     return info

@@ -13,6 +13,7 @@ import jax
 
 from gpt2_jax.cli import convert as cli_convert
 from gpt2_jax.cli import generate as cli_generate
+from gpt2_jax.cli import info as cli_info
 from gpt2_jax.cli import rl as cli_rl
 from gpt2_jax.cli import serve as cli_serve
 from gpt2_jax.cli import train as cli_train
@@ -20,21 +21,10 @@ from gpt2_jax.cli.help import HelpFormatter
 from gpt2_jax.errors import GPT2JaxError
 
 
-def _version() -> str:
-    """gpt2-jax's installed version, with the jax it runs on."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        mine = version("gpt2-jax")
-    except PackageNotFoundError:  # run from a source tree that was never installed
-        mine = "unknown (not installed)"
-    return f"gpt2-jax {mine} (jax {jax.__version__}, jaxlib {version('jaxlib')})"
-
-
 def build_parser() -> argparse.ArgumentParser:
-    """The whole command line's parser (gpt2-jax generate|convert|train|data|serve|explain|rl)."""
+    """The whole command line's parser (gpt2-jax generate|convert|train|data|serve|explain|rl|info)."""
     parser = argparse.ArgumentParser(prog="gpt2-jax", description="GPT-2 in JAX: generate text, convert checkpoints")
-    parser.add_argument("--version", action="version", version=_version())
+    parser.add_argument("--version", action="version", version=cli_info.version())
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text from a prompt", formatter_class=HelpFormatter)
     gen.add_argument("--model", default=None,
@@ -95,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_serve.serve_parser(sub.add_parser("explain", help="serve the explainer page (GPT-2's real internals for a "
                                           "prompt, view by view) and print its URL; every serve flag applies",
                                           formatter_class=HelpFormatter), _cache_arg)  # fmt: skip
+    sub.add_parser("info", help="print the version, jax's devices and which path each CPU kernel takes here")
     return parser
 
 
@@ -182,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("generate", "train", "serve", "explain", "rl"):
             _use_compile_cache(args)
         return {"generate": cli_generate.run_generate, "train": cli_train.run_train, "data": cli_train.run_data,
-                "serve": cli_serve.run_serve, "explain": cli_serve.run_serve, "rl": cli_rl.run_rl}[args.command](args)  # fmt: skip
+                "serve": cli_serve.run_serve, "explain": cli_serve.run_serve, "rl": cli_rl.run_rl,
+                "info": cli_info.run_info}[args.command](args)  # fmt: skip
     except GPT2JaxError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -44,13 +44,16 @@ batch shapes.
   ffi.py        the XLA FFI targets, rowdot / chain / softmax / cumsum / argmax and their custom VJPs
   invariance.py what else keeps a row's bits batch-independent on XLA's CPU backend (row padding)
   packed.py     Packed weights: pack, unpack, rowdot_packed, packed_rows
-  cpu.cc        the Python module and FFI handlers; the arithmetic is rowdot.h, chain.h, softmax.h, int8.h, a8.h,
+  report.py     report(): which path each op takes at 1, 8 and 512 rows here, from dispatch.h itself
+  cpu.cc        the Python module and FFI handlers; dispatch.h picks every op's path from the CPU's features;
+                the arithmetic is rowdot.h, chain.h, softmax.h, int8.h (its problem in int8_problem.h), a8.h,
                 vnni_rows.h, amx.h and packed.h
 
 GPT2_JAX_ROWDOT_ISA (read once per process) forces an older instruction set where the CPU has a newer one:
-avx2 (both kernels), avx512 (int8 without VNNI), avx512-vnni (int8 without AMX); either of the last two
-also keeps AVX-512's 1-row tiles on AMD, which otherwise take AVX2's (rowdot.h, AvxTwoForOneRow). The tests use it to
-check that every path gives the same bits; available() and int8_isa() say what runs.
+avx2 (every op), avx512 (int8 without VNNI), avx512-vnni (int8 without AMX); either of the last two
+also keeps AVX-512's 1-row tiles on AMD, which otherwise take AVX2's (dispatch.h, OneRowOnAvx2). The tests use it
+to check that every path gives the same bits; report() says what runs (available() and int8_isa() name the
+float32 and int8 instruction sets).
 """
 
 from gpt2_jax.kernels.ffi import (
@@ -70,12 +73,14 @@ from gpt2_jax.kernels.ffi import (
 )
 from gpt2_jax.kernels.invariance import MIN_REDUCE, min_rows, pad_rows
 from gpt2_jax.kernels.packed import Packed, pack, packed_rows, rowdot_packed, unpack
+from gpt2_jax.kernels.report import Report, report
 
 __all__ = [
     "MIN_REDUCE",
     "Entry",
     "Packed",
     "Paged",
+    "Report",
     "argmax",
     "available",
     "chain",
@@ -86,6 +91,7 @@ __all__ = [
     "pack",
     "packed_rows",
     "pad_rows",
+    "report",
     "round_rows_8bit",
     "rowdot",
     "rowdot_int8",

@@ -2,9 +2,8 @@
 // AVX512-VNNI, in VNNI's byte instruction, vpdpbusd, which does twice the products of int8.h's vpdpwssd.
 //
 // Why: at 8 rows int8.h's int16 rows make a decode step compute-bound, not memory-bound: gpt2-small's 49
-// matmuls are 31 million vpdpwssd, and this 2-core AMD EPYC retires about 1.7 billion 512-bit VNNI
-// instructions a second per core (measured 2026-12-05 with 12 independent chains): 8.4 ms of a 13.1 ms step.
-// Bytes halve that count. The price is the rounding of x: a step of 1/255 of the row's range instead of
+// matmuls are 31 million vpdpwssd, most of a step at a core's VNNI rate (bench/RESULTS.md). Bytes halve
+// that count. The price is the rounding of x: a step of 1/255 of the row's range instead of
 // 1/65534 of its largest element (bench/precision.py and bench/peers.py measure the logit error it adds).
 //
 // The arithmetic is int8.h's on int8::QuantizeRow8's rows (xq, with a zero point z per row that makes
@@ -14,7 +13,7 @@
 // in int32 for K <= 65536 (255 * 127 * K < 2^31). Other row counts run int8.h's own paths on the same small
 // xq (1-2 rows its int16 tiles; 16 or more vnni_rows.h's lanes over rows, one byte plane of 16 rows; AMX's
 // tiles; AVX2): the same exact totals, so the same bits for any number of rows.
-// (No XLA, no Python here: a plain C++ program can time it.)
+// (No XLA, no Python here: bench/kernels_harness.cc times and checks it.)
 #pragma once
 
 #include <immintrin.h>
@@ -23,19 +22,18 @@
 #include <cstdint>
 #include <cstring>
 
-#include "rowdot.h"  // Problem
+#include "dispatch.h"
+#include "int8_problem.h"
 
 namespace a8 {
 
-using rowdot::Problem;
+using int8::Problem;
 
-constexpr int64_t kMaxK = 65536;  // the int32 totals' bound (above)
-constexpr int kMinRows = 3;       // fewer rows take int8.h's tiles (memory-bound there: as fast or faster)
-constexpr int kMaxRows = 8;       // more rows take int8.h's paths
+constexpr int64_t kMaxK = dispatch::kMaxK8;  // the int32 totals' bound (above)
+constexpr int kMaxRows = dispatch::kA8MaxRows;  // one tile's rows (dispatch::Int8 routes 3 to 8 rows here)
 constexpr int64_t kPad = 64;      // packed rows are padded to whole 64-byte steps (against zero weights)
 
 inline int64_t Padded(int64_t K) { return (K + kPad - 1) / kPad * kPad; }
-inline bool Fits(int64_t K) { return K > 0 && K <= kMaxK; }
 
 // xq [M, Kq] int16 rows and their zero points -> [M, Padded(K)] bytes xq + zero (zero past K).
 __attribute__((target("avx512f,avx512bw"))) inline void Pack(const int16_t* xq, const int32_t* zero, int64_t M,
@@ -112,7 +110,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void Tile(const uint8_t* 
   if (k < K) {  // the last K % 64 weights from zero-filled copies (x's padding times 0 adds nothing)
     alignas(64) int8_t tail[NR][64];
     const int8_t* ws[NR];
-    rowdot::ZeroFilledTail(w, k, K, tail, ws);
+    int8::ZeroFilledTail(w, k, K, tail, ws);
     Step<MR, NR>(x, ws, k, 0, acc, 0);
   }
   const __m512i* flat = &acc[0][0];
@@ -126,11 +124,9 @@ using TileFn = void (*)(const uint8_t* const*, const int8_t* const*, int64_t, in
 constexpr int kNR = 3;         // weight rows per tile
 constexpr int64_t kAhead = 2;  // tiles on that a tile prefetches the weight rows of
 
-// 3 to 8 rows (int8::OnA8) in one 8 x 3 tile, so each weight vector loaded feeds every row, prefetching the
-// weight rows two tiles on (measured 2026-12-05 on a 2-core AMD EPYC, gpt2-small's 49 matmuls at 8 rows, taking
-// turns in one process: 5.15 ms against 7.41 with int8.h's int16 tiles; prefetching 1, 3, 4 or 8 tiles on 6.17,
-// 5.20, 5.24, 5.54 ms, none 10.1). One or two rows stay on int8.h's tiles: memory-bound, they were as fast or
-// faster.
+// 3 to 8 rows (dispatch::Int8) in one 8 x 3 tile, so each weight vector loaded feeds every row, prefetching
+// the weight rows two tiles on, the best distance tried (bench/RESULTS.md). One or two rows stay on int8.h's
+// tiles: memory-bound, they are as fast or faster there.
 inline TileFn TileFor(int64_t rows) {
   static const TileFn tiles[kMaxRows + 1] = {nullptr,    nullptr,    nullptr,    Tile<3, kNR>, Tile<4, kNR>,
                                              Tile<5, kNR>, Tile<6, kNR>, Tile<7, kNR>, Tile<8, kNR>};

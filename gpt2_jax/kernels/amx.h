@@ -1,10 +1,9 @@
 // rowdot_int8 on AMX's tile unit (Intel Sapphire Rapids and later): the same exact integer sums as int8.h,
-// so the same bits, for problems of many rows (a prefill, a large batch: int8::OnAmx decides).
+// so the same bits, for problems of many rows (a prefill, a large batch: dispatch::Int8 decides).
 //
-// Measured on a 2-core Xeon VM with AMX (2026-12-03): one tile multiply (TDPBSSD) took 17-24 ns whatever
-// its dependences, so a tile of 16 x rows pays off only when most of it is real rows. gpt2-small's 49
-// matmuls, one thread pool of 2: 1 row 21.5 ms on the tiles against 9.5 ms on VNNI (which streams the
-// weights), 16 rows 24 against 44 ms, 64 rows 68 against 232 ms, 512 rows 395 against 1190 ms.
+// One tile multiply (TDPBSSD) has a long fixed latency whatever its dependences, so a tile of 16 x rows pays
+// off only when most of it is real rows: from 16 rows on the tiles beat VNNI, below it VNNI, which streams
+// the weights, is faster (bench/RESULTS.md).
 //
 // AMX multiplies bytes, not int16, so each int16 activation is split exactly into a signed high byte and
 // an unsigned low byte, xq = 256 * hi + lo (hi = xq >> 8 in [-128, 127], lo = xq & 255), and
@@ -21,38 +20,19 @@
 #pragma once
 
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#include <cpuid.h>
-
 #include <cstdint>
 #include <cstring>
 
-#include "rowdot.h"  // Problem
+#include "dispatch.h"
+#include "int8_problem.h"
 
 namespace amx {
 
-using rowdot::Problem;
+using int8::Problem;
 
-constexpr int64_t kMaxK = 65536;  // the int32 sums' bound (above)
+constexpr int64_t kMaxK = dispatch::kMaxK8;  // the int32 sums' bound (above)
 constexpr int64_t kGroup = 16;    // x rows per tile
 constexpr int64_t kCols = 32;     // y columns per step: two 16-column tiles
-
-// Whether this CPU has AMX's int8 tiles and Linux lets this process use them (the tile state must be
-// requested once per process; without it the first tile instruction faults).
-inline bool Usable() {
-  unsigned a, b, c, d;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  const bool tile = d & (1u << 24), int8 = d & (1u << 25);
-  if (!tile || !int8) return false;
-  constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
-  return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
-}
-
-// Whether a problem can take the tiles: K a multiple of 64 (a tile's width, so no tile reads past a row)
-// and within the sums' bound.
-inline bool Fits(int64_t K) { return K % 64 == 0 && K > 0 && K <= kMaxK; }
 
 // Bytes of one packed x: ceil(M / 16) groups of [K / 4, 64] bytes, for hi and again for lo.
 inline int64_t PackedBytes(int64_t M, int64_t K) { return (M + kGroup - 1) / kGroup * K * kGroup; }
@@ -72,7 +52,7 @@ __attribute__((target("avx512f,avx512bw"))) inline void Pack(const int16_t* xq, 
   for (int64_t m = 0; m < M; ++m) {
     const int16_t* row = xq + m * Kp;
     const int64_t base = m / kGroup * K * kGroup + m % kGroup * 4;
-    for (int64_t k = 0; k < K; k += 32) {  // K is a multiple of 64 (Fits)
+    for (int64_t k = 0; k < K; k += 32) {  // K is a multiple of 64 (dispatch::AmxFits)
       const __m512i v = _mm512_loadu_si512(row + k);
       _mm256_store_si256(reinterpret_cast<__m256i*>(h), _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)));
       _mm256_store_si256(reinterpret_cast<__m256i*>(l), _mm512_cvtepi16_epi8(_mm512_and_si512(v, low_byte)));
@@ -119,7 +99,7 @@ struct alignas(64) TileConfig {
 // Tiles: 0, 1 the weights (columns n..n+15, n+16..n+31), 2 hi, 3 lo, 4..7 the sums (hi, lo per column tile).
 __attribute__((target("amx-tile,amx-int8"))) inline void Block(const Problem& p, int64_t m0, int64_t m1, int64_t n0,
                                                                int64_t steps, int64_t ahead_steps) {
-  // Configured and released on every call (measured no slower than once per thread): another library on
+  // Configured and released on every call (no slower than once per thread): another library on
   // this thread (oneDNN in PyTorch) may configure the tiles its own way or release them in between.
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;

@@ -5,7 +5,7 @@
 // outputs takes one broadcast x value and one w vector per multiply-add, with none of rowdot's lane sums.
 // That suits attention, whose dot products are short (64 for the scores): rowdot spent as long summing
 // lanes as multiplying there. Any tile shape, vector width (AVX-512 or AVX2), thread split or batch gives
-// every output the same chain, so the same bits. (No XLA, no Python here: a plain C++ program can time it.)
+// every output the same chain, so the same bits. (No XLA, no Python here: bench/kernels_harness.cc times it.)
 #pragma once
 
 #include <immintrin.h>
@@ -13,7 +13,8 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "rowdot.h"  // Problem, Ends, MaxEnd, Pick (which ISA)
+#include "dispatch.h"
+#include "rowdot.h"  // Problem, Ends, MaxEnd
 
 namespace chain {
 
@@ -105,9 +106,8 @@ __attribute__((target("avx2,fma"))) void Tile256(const float* x, int64_t xs, con
 // A decode step's one query against a layer's keys (mode kOutputs, 1 row): up to 16 vectors (256 outputs)
 // per pass, so each key row [k, n0 .. end) is read contiguously once, not in 64-output pieces, and the rows
 // kPrefetchRows on are prefetched (past the last row: the next head's rows, what comes next). The keys'
-// rows lie S floats apart, so each 64-output piece had restarted the hardware prefetcher (C++ harness,
-// B=8 x 12 heads x 12 layers of a 384-slot cache, 2 threads, 2-core AMD EPYC: 1.15-1.44x). The same
-// chain per output, so the same bits.
+// rows lie S floats apart, so each 64-output piece would restart the hardware prefetcher. The same chain
+// per output, so the same bits.
 constexpr int kWideNV = 16;
 constexpr int64_t kPrefetchRows = 8;
 
@@ -138,7 +138,7 @@ inline const WideFn* Wides() {  // Wides()[v]: v vectors (1 <= v <= kWideNV), or
   static const WideFn avx512[] = {nullptr,      Wide512<1>,  Wide512<2>,  Wide512<3>,  Wide512<4>,  Wide512<5>,
                                   Wide512<6>,   Wide512<7>,  Wide512<8>,  Wide512<9>,  Wide512<10>, Wide512<11>,
                                   Wide512<12>,  Wide512<13>, Wide512<14>, Wide512<15>, Wide512<16>};
-  static const WideFn* picked = std::string(rowdot::Pick().few.isa) == "avx512" ? avx512 : nullptr;
+  static const WideFn* picked = dispatch::Chain(1) == dispatch::Isa::kAvx512 ? avx512 : nullptr;
   return picked;
 }
 
@@ -171,10 +171,10 @@ struct Pages {
   }
 };
 
-inline const TileFn* Tiles() {  // Tiles()[r]: r rows (1 <= r <= kMR)
+inline const TileFn* Tiles() {  // Tiles()[r]: r rows (1 <= r <= kMR), dispatch::Chain's
   static const TileFn avx512[] = {nullptr, Tile512<1>, Tile512<2>, Tile512<3>, Tile512<4>, Tile512<5>, Tile512<6>};
   static const TileFn avx2[] = {nullptr, Tile256<1>, Tile256<2>, Tile256<3>, Tile256<4>, Tile256<5>, Tile256<6>};
-  static const TileFn* picked = std::string(rowdot::Pick().few.isa) == "avx512" ? avx512 : avx2;
+  static const TileFn* picked = dispatch::Chain(kMR) == dispatch::Isa::kAvx512 ? avx512 : avx2;
   return picked;
 }
 

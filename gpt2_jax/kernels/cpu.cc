@@ -19,14 +19,17 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <string>
 #include <thread>
-
 #include <vector>
 
 #include "chain.h"
+#include "dispatch.h"
 #include "int8.h"
+#include "int8_prepare.h"
 #include "packed.h"
 #include "rowdot.h"
+#include "rowwise.h"
 #include "softmax.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -83,8 +86,6 @@ void Item(const Batch& s, int64_t i) {
     chain::Item(p, s.row_blocks, i % s.per_problem, &pages);
   } else if (s.chain)
     chain::Item(p, s.row_blocks, i % s.per_problem);
-  else if (p.wq != nullptr)
-    int8::Item(p, s.row_blocks, i % s.per_problem);
   else
     rowdot::Item(p, s.row_blocks, i % s.per_problem);
 }
@@ -95,8 +96,8 @@ void Run(ffi::ThreadPool& pool, const Problem& p, int64_t batch, int64_t x_step,
   if (p.M == 0 || p.N == 0 || batch == 0) return;
   Batch s = paged != nullptr ? *paged : Batch{};
   s.p = p, s.chain = chain, s.batch = batch, s.x_step = x_step, s.w_step = w_step;
-  s.row_blocks = chain ? chain::RowBlocks(p) : p.wq != nullptr ? int8::RowBlocks(p) : rowdot::RowBlocks(p);
-  s.per_problem = chain ? chain::Items(p) : p.wq != nullptr ? int8::Items(p) : rowdot::Items(p);
+  s.row_blocks = chain ? chain::RowBlocks(p) : rowdot::RowBlocks(p);
+  s.per_problem = chain ? chain::Items(p) : rowdot::Items(p);
   Parallel(pool, batch * s.per_problem, [&s](int64_t i) { Item(s, i); });
 }
 
@@ -138,7 +139,8 @@ ffi::Error RowDotImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 // rowdot with int8 weights: x [..., M, K] float32, w [..., N, K] int8 and scale [..., N] float32 (w's
 // leading dims all 1: one weight for every row) -> y [..., M, N], y[m, n] = x[m] . (w[n] * scale[n]) by
 // int8.h's exact integer sums. x's rows are rounded here, once, before the work is shared out: to int16
-// (rowdot_int8), or to bytes with a zero point with qsum [N] (w's row sums) given (rowdot_w8a8, a8.h).
+// (rowdot_int8), or to bytes with a zero point with qsum [N] (w's row sums) given (rowdot_w8a8, a8.h), and
+// packed for their path (int8_prepare.h).
 ffi::Error Quantized(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::S8>& w,
                      ffi::Buffer<ffi::F32>& scale, const ffi::Buffer<ffi::S32>* qsum, float* y) {
   const char* name = qsum == nullptr ? "rowdot_int8" : "rowdot_w8a8";
@@ -152,42 +154,13 @@ ffi::Error Quantized(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffe
                                        ": w must be [N, K] (one weight for every row), scale [N] and qsum [N]");
   if (qsum != nullptr && K > a8::kMaxK)
     return ffi::Error::InvalidArgument("rowdot_w8a8: K must be at most 65536 (its int32 sums' bound)");
-  int64_t Kp = int8::Padded(K);
-  std::vector<int16_t> xq(static_cast<size_t>(M * Kp));
-  std::vector<float> x_scale(static_cast<size_t>(M));
-  std::vector<int32_t> x_zero(qsum == nullptr ? 0 : static_cast<size_t>(M));
-  for (int64_t m = 0; m < M; ++m)
-    if (qsum == nullptr)
-      int8::QuantizeRow(x.typed_data() + m * K, K, Kp, xq.data() + m * Kp, &x_scale[m]);
-    else
-      int8::QuantizeRow8(x.typed_data() + m * K, K, Kp, xq.data() + m * Kp, &x_scale[m], &x_zero[m]);
-  Problem p{x.typed_data(), nullptr, y, M, N, K};
-  p.wq = w.typed_data(), p.w_scale = scale.typed_data(), p.xq = xq.data(), p.x_scale = x_scale.data(), p.Kp = Kp;
-  if (qsum != nullptr) p.qsum = qsum->typed_data(), p.x_zero = x_zero.data();
-  std::vector<int8_t> x_hi;
-  std::vector<uint8_t> x_lo;
-  if (int8::OnAmx(p)) {  // the rows split into bytes, packed as AMX's tiles read them (amx.h)
-    x_hi.resize(static_cast<size_t>(amx::PackedBytes(M, K))), x_lo.resize(x_hi.size());
-    amx::Pack(xq.data(), M, K, Kp, x_hi.data(), x_lo.data());
-    p.x_hi = x_hi.data(), p.x_lo = x_lo.data();
-  }
-  std::vector<uint8_t> x_rows;
-  if (int8::OnRows(p)) {  // the rows as bytes, packed in groups as vnni_rows.h's tiles read them
-    x_rows.resize(static_cast<size_t>(vnni_rows::PackedBytes(M, K, vnni_rows::Group(p))));
-    if (qsum != nullptr)
-      vnni_rows::Pack8(xq.data(), x_zero.data(), M, K, Kp, x_rows.data());  // w8a8: one plane of xq + zero
-    else
-      vnni_rows::Pack(xq.data(), M, K, Kp, x_rows.data());
-    p.x_rows = x_rows.data();
-  }
-  std::vector<uint8_t> x_a8;
-  if (int8::OnA8(p)) {  // 8-bit rows as bytes xq + zero for a8.h's tiles
-    x_a8.resize(static_cast<size_t>(M * a8::Padded(K)));
-    a8::Pack(xq.data(), x_zero.data(), M, K, Kp, x_a8.data());
-    p.x_a8 = x_a8.data();
-  }
-  p.cols = int8::DecodeColumns(p, pool.num_threads());
-  Run(pool, p, 1, 0, 0, false);
+  int8::Rows rows;
+  const int8::Problem p = int8::Prepare(x.typed_data(), w.typed_data(), scale.typed_data(),
+                                        qsum == nullptr ? nullptr : qsum->typed_data(), y, M, N, K,
+                                        pool.num_threads(), rows);
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  const int64_t rb = int8::RowBlocks(p);
+  Parallel(pool, int8::Items(p), [&](int64_t i) { int8::Item(p, rb, i); });
   return ffi::Error::Success();
 }
 
@@ -333,41 +306,17 @@ ffi::Error CumSumImpl(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y) {
   int64_t n = d[d.size() - 1], rows = n == 0 ? 0 : static_cast<int64_t>(x.element_count()) / n;
   const float* in = x.typed_data();
   float* out = y->typed_data();
-  for (int64_t r = 0; r < rows; ++r) {
-    double acc = 0.0;
-    for (int64_t i = 0; i < n; ++i) {
-      acc += static_cast<double>(in[r * n + i]);
-      out[r * n + i] = static_cast<float>(acc);
-    }
-  }
+  for (int64_t r = 0; r < rows; ++r) rowwise::CumSum(in + r * n, out + r * n, n);
   return ffi::Error::Success();
 }
 
-// The position of the first maximum of x[0 .. n), or of the first NaN where there is one: jnp.argmax's answer.
-// Two vector passes (the largest value and whether a NaN is there, softmax::RowMax; then the first position holding it)
-// over a row that stays in cache; comparisons only, so any instruction set gives the same answer.
-__attribute__((target("avx2"))) int32_t FirstMax(const float* x, int64_t n) {
-  bool nan;
-  const float best = softmax::RowMax(x, n, &nan);
-  int64_t i = 0;
-  const __m256 want = _mm256_set1_ps(best);
-  for (; i + 8 <= n; i += 8) {
-    const __m256 v = _mm256_loadu_ps(x + i);
-    const int hit = _mm256_movemask_ps(nan ? _mm256_cmp_ps(v, v, _CMP_UNORD_Q) : _mm256_cmp_ps(v, want, _CMP_EQ_OQ));
-    if (hit != 0) return static_cast<int32_t>(i + __builtin_ctz(hit));
-  }
-  for (; i < n; ++i)
-    if (nan ? std::isnan(x[i]) : x[i] == best) return static_cast<int32_t>(i);
-  return 0;  // unreachable for n > 0
-}
-
-// y[...] = FirstMax(x[..., :]) per row (the sampler's greedy token): one pass instead of XLA's reduction, its
+// y[...] = rowwise::FirstMax(x[..., :]) per row (the sampler's greedy token): one pass instead of XLA's reduction, its
 // broadcast of the maximum written out, and a comparison and a second reduction.
 ffi::Error ArgMaxImpl(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::S32> y) {
   auto d = x.dimensions();
   if (d.size() < 1 || d[d.size() - 1] == 0) return ffi::Error::InvalidArgument("argmax: x needs a non-empty last axis");
   const int64_t n = d[d.size() - 1], rows = static_cast<int64_t>(x.element_count()) / n;
-  for (int64_t r = 0; r < rows; ++r) y->typed_data()[r] = FirstMax(x.typed_data() + r * n, n);
+  for (int64_t r = 0; r < rows; ++r) y->typed_data()[r] = rowwise::FirstMax(x.typed_data() + r * n, n);
   return ffi::Error::Success();
 }
 
@@ -439,15 +388,37 @@ PyObject* Capsule(PyObject*, PyObject*) {
   return PyCapsule_New(reinterpret_cast<void*>(kHandler), nullptr, nullptr);
 }
 
-static PyObject* Isa(PyObject*, PyObject*) {
-  return PyUnicode_FromString(rowdot::Pick().few.isa);
+static PyObject* Isa(PyObject*, PyObject*) { return PyUnicode_FromString(dispatch::Name(dispatch::Here().f32)); }
+
+static PyObject* IsaInt8(PyObject*, PyObject*) { return PyUnicode_FromString(dispatch::Name(dispatch::Here().int8)); }
+
+static PyObject* Usable(PyObject*, PyObject*) { return PyBool_FromLong(dispatch::Here().usable); }
+
+// Every op's path at `rows` rows (and K, the reduction length, which decides int8's AMX and VNNI paths), as
+// dispatch.h picks it for the kernels: {op: path}.
+static PyObject* Paths(PyObject*, PyObject* args) {
+  long long rows, K;
+  if (!PyArg_ParseTuple(args, "LL", &rows, &K)) return nullptr;
+  if (rows < 1 || K < 1) {
+    PyErr_SetString(PyExc_ValueError, "paths: rows and K must be at least 1");
+    return nullptr;
+  }
+  const std::string packed = std::string(dispatch::Name(dispatch::PackedDecoder(rows))) +
+                             (rows == 1 ? "" : std::string(" + ") + dispatch::Name(dispatch::Rowdot(rows)));
+  const std::string int8 = dispatch::Int8Name(rows, K, false), w8a8 = dispatch::Int8Name(rows, K, true);
+  return Py_BuildValue("{ssssssssssssssss}", "rowdot", dispatch::Name(dispatch::Rowdot(rows)), "int8", int8.c_str(),
+                       "w8a8", w8a8.c_str(), "packed", packed.c_str(), "chain", dispatch::Name(dispatch::Chain(rows)),
+                       "softmax", dispatch::Name(dispatch::Softmax(rows)), "argmax",
+                       dispatch::Name(dispatch::ArgMax(rows)), "cumsum", dispatch::Name(dispatch::CumSum(rows)));
 }
 
-static PyObject* IsaInt8(PyObject*, PyObject*) { return PyUnicode_FromString(int8::Pick().isa); }
-
-static PyObject* Usable(PyObject*, PyObject*) {
-  __builtin_cpu_init();
-  return PyBool_FromLong(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"));
+// The features dispatch.h read: {name: value}, GPT2_JAX_ROWDOT_ISA's forced path included ("" if none).
+static PyObject* Features(PyObject*, PyObject*) {
+  const dispatch::Cpu& c = dispatch::Here();
+  return Py_BuildValue("{sOsssOsOsssOss}", "usable", c.usable ? Py_True : Py_False, "f32", dispatch::Name(c.f32),
+                       "one_row_avx2", c.one_row_avx2 ? Py_True : Py_False, "vbmi", c.vbmi ? Py_True : Py_False,
+                       "int8", dispatch::Name(c.int8), "amd", c.amd ? Py_True : Py_False,
+                       "forced", c.forced == nullptr ? "" : c.forced);
 }
 
 static PyMethodDef kMethods[] = {
@@ -468,6 +439,8 @@ static PyMethodDef kMethods[] = {
     {"isa", Isa, METH_NOARGS, "Which instruction set the kernel runs with here: 'avx512' or 'avx2'."},
     {"isa_int8", IsaInt8, METH_NOARGS, "rowdot_int8's instruction set here: 'amx-int8', 'avx512-vnni', 'avx512' or 'avx2'."},
     {"usable", Usable, METH_NOARGS, "Whether this CPU has what the kernel needs (AVX2 and FMA)."},
+    {"paths", Paths, METH_VARARGS, "paths(rows, K): every op's path at that many rows, as dispatch.h picks it."},
+    {"features", Features, METH_NOARGS, "The CPU features dispatch.h read (after GPT2_JAX_ROWDOT_ISA)."},
     {nullptr, nullptr, 0, nullptr}};
 
 static PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_cpu", "gpt2_jax's batch-invariant CPU kernels: rowdot, chain, softmax, cumsum and argmax",

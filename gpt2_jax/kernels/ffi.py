@@ -87,9 +87,16 @@ class Paged(NamedTuple):
 
 
 def available() -> str | None:
-    """The instruction set the kernels run with on this CPU ("avx512" or "avx2"), or None where XLA's
-    matmul stands in (extension not built, or a CPU without AVX2 and FMA)."""
+    """The instruction set the float32 kernels run with on this CPU ("avx512" or "avx2"), or None where XLA's
+    matmul stands in (extension not built, or a CPU without AVX2 and FMA). Some row counts take another path
+    (one row on AMD takes AVX2's tiles): report() says which path each op takes."""
     return _cpu.isa() if _REGISTERED else None
+
+
+def dispatch_module():
+    """The compiled module whose `paths` and `features` say what dispatch.h picks (gpt2_jax.kernels.report),
+    or None where the kernels do not run."""
+    return _cpu if _REGISTERED else None
 
 
 def fits(*operands) -> bool:

@@ -15,8 +15,8 @@
 //
 // Why integers rather than converting each q to float32 and running rowdot's multiply-adds: that takes
 // 3 instructions per 16 weights (widen, convert, fma) against 2 per 32 here (widen, vpdpwssd); a decode
-// step's few rows made the float form compute-bound at 12 GB/s on a 2-core Xeon, under the memory's speed.
-// (No XLA, no Python here: a plain C++ program can time it.)
+// step's few rows make the float form compute-bound, under the memory's speed (bench/RESULTS.md).
+// (No XLA, no Python here: bench/kernels_harness.cc times and checks it.)
 #pragma once
 
 #include <immintrin.h>
@@ -24,23 +24,19 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <limits>
-#include <string>
 
 #include "a8.h"
 #include "amx.h"
-#include "rowdot.h"  // Problem
+#include "dispatch.h"
+#include "int8_problem.h"
 #include "vnni_rows.h"
 
 namespace int8 {
 
-using rowdot::Problem;
-
 constexpr int64_t kRowBlock = 64;  // x rows per work item
 constexpr int64_t kColBlock = 72;  // w rows per work item (a multiple of every tile's nr)
 constexpr int64_t kAmxColBlock = 128;  // with AMX: 4 of its 32-column steps
-constexpr int64_t kAmxMinRows = 16;    // fewer x rows than this stay on VNNI (OnAmx)
 constexpr int64_t kPad = 32;       // xq rows are zero-padded to a multiple of this
 
 inline int64_t Padded(int64_t K) { return (K + kPad - 1) / kPad * kPad; }
@@ -138,9 +134,9 @@ __attribute__((target("avx512f"))) inline int64_t Sum512(__m512i a) {
 }
 
 // acc + x . w by VNNI's vpdpwssd as inline assembly, so each accumulator stays in its register. Through the
-// intrinsic, GCC 12 kept a copy of every accumulator of a tile with more than one row on the stack and stored
-// it after each instruction: the 8 x 3 tile (3 to 8 rows) ran 1.5x slower (measured 2026-12-05 on a 2-core AMD
-// EPYC, gpt2-small's 49 matmuls at 8 rows: 12.7 against 8.4 ms). The same instruction, so the same bits.
+// intrinsic, GCC 12 keeps a copy of every accumulator of a tile with more than one row on the stack and stores
+// it after each instruction, which slows the 8 x 3 tile (3 to 8 rows) by half (bench/RESULTS.md). The same
+// instruction, so the same bits.
 __attribute__((target("avx512f,avx512vnni"))) inline __m512i DpwssdInPlace(__m512i acc, __m512i x, __m512i w) {
   asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(x), "v"(w));
   return acc;
@@ -178,7 +174,7 @@ __attribute__((target("avx512f,avx512vnni"))) inline __m512i DpwssdInPlace(__m51
       if (k < k1) { /* the last K % 32 weights, from zero-filled copies (x is zero there too) */             \
         alignas(64) int8_t tail[NR][32];                                                                     \
         const int8_t* ws[NR];                                                                                \
-        rowdot::ZeroFilledTail(w, k, k1, tail, ws);                                                          \
+        ZeroFilledTail(w, k, k1, tail, ws);                                                          \
         NAME##Step<MR, NR>(x, ws, k, 0, acc, 0);                                                             \
       }                                                                                                      \
       for (int i = 0; i < MR; ++i)                                                                           \
@@ -238,7 +234,7 @@ __attribute__((target("avx2"))) void Tile256(const int16_t* const* x, const int8
     if (k < k1) {
       alignas(32) int8_t tail[NR][16];
       const int8_t* ws[NR];
-      rowdot::ZeroFilledTail(w, k, k1, tail, ws);
+      ZeroFilledTail(w, k, k1, tail, ws);
       Step256<MR, NR>(x, ws, k, 0, acc, 0);
     }
     for (int i = 0; i < MR; ++i)
@@ -260,47 +256,31 @@ struct Kernel {
 
 // One or two rows (decode at B = 1, 2) take 2 x 8 tiles: many q rows share each x load and the fixed cost
 // of a tile; up to 8 rows one 8 x 3 tile, so each q vector loaded feeds every row; more take 4 x 6.
-// The 8-column tiles prefetch the q rows one tile on, the others two (measured 2026-12-05 on a 2-core AMD EPYC
-// with the weights streamed: one tile on was 1.08-1.10x faster at 1 and 2 rows, two tiles on 1.05-1.15x
-// at 4 rows; on AVX2 two tiles suited its 2 x 4 tiles at 2 and 8 rows).
+// The 8-column tiles prefetch the q rows one tile on, the others two (bench/RESULTS.md).
 struct Kernels {
-  const char* isa;
   Kernel one, few, many;
-  bool vnni = false;  // AVX512-VNNI: 16 rows or more that AMX does not take go to vnni_rows.h (OnRows)
-  bool amx = false;  // AMX usable: problems OnAmx accepts take its tiles; columns past its last step, these
 };
 
-#define GPT2_JAX_INT8_KERNELS(ISA, T)                                                                      \
+#define GPT2_JAX_INT8_KERNELS(T)                                                                         \
   Kernels {                                                                                              \
-    ISA, {2, 8, {nullptr, T<1, 8>, T<2, 8>}, 1},                                                         \
+    {2, 8, {nullptr, T<1, 8>, T<2, 8>}, 1},                                                              \
         {8, 3, {nullptr, T<1, 3>, T<2, 3>, T<3, 3>, T<4, 3>, T<5, 3>, T<6, 3>, T<7, 3>, T<8, 3>}},       \
         {4, 6, {nullptr, T<1, 6>, T<2, 6>, T<3, 6>, T<4, 6>}}                                            \
   }
 
+// The tiles of dispatch::Int8Tiles: VNNI's, AVX-512's or AVX2's, with AVX2's 1 x 8 tile for one row where
+// it says so (the same integer sums).
 inline const Kernels& Pick() {
   static const Kernels k = [] {
-    __builtin_cpu_init();
-    // GPT2_JAX_ROWDOT_ISA=avx2 takes the AVX2 path, =avx512 AVX-512 without VNNI, =avx512-vnni VNNI without
-    // AMX (the tests compare them).
-    const char* env = std::getenv("GPT2_JAX_ROWDOT_ISA");
-    std::string forced = env == nullptr ? "" : env;
-    bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && forced != "avx2";
-    // One row on AMD: AVX2's 1 x 8 tile (rowdot::AvxTwoForOneRow says why), the same integer sums.
-    auto one_row = [env](Kernels k) {
-      if (rowdot::AvxTwoForOneRow(env)) k.one.tiles[1] = Tile256<1, 8>;
-      return k;
-    };
-    if (avx512 && __builtin_cpu_supports("avx512vnni") && forced != "avx512") {
-      Kernels vnni = GPT2_JAX_INT8_KERNELS("avx512-vnni", TileVnni);
-      vnni.vnni = true;
-      if (forced != "avx512-vnni" && amx::Usable()) vnni.isa = "amx-int8", vnni.amx = true;
-      return one_row(vnni);
-    }
-    if (avx512) return one_row(GPT2_JAX_INT8_KERNELS("avx512", Tile512));
-    return Kernels{"avx2",
-                   {1, 8, {nullptr, Tile256<1, 8>}, 1},
-                   {2, 4, {nullptr, Tile256<1, 4>, Tile256<2, 4>}},
-                   {2, 4, {nullptr, Tile256<1, 4>, Tile256<2, 4>}}};
+    using dispatch::Isa;
+    const Isa isa = dispatch::Int8Tiles(2);
+    Kernels k = isa == Isa::kAvx512Vnni ? GPT2_JAX_INT8_KERNELS(TileVnni)
+                : isa == Isa::kAvx512   ? GPT2_JAX_INT8_KERNELS(Tile512)
+                                        : Kernels{{1, 8, {nullptr, Tile256<1, 8>}, 1},
+                                                  {2, 4, {nullptr, Tile256<1, 4>, Tile256<2, 4>}},
+                                                  {2, 4, {nullptr, Tile256<1, 4>, Tile256<2, 4>}}};
+    if (isa != Isa::kAvx2 && dispatch::Int8Tiles(1) == Isa::kAvx2) k.one.tiles[1] = Tile256<1, 8>;
+    return k;
   }();
   return k;
 }
@@ -334,33 +314,19 @@ inline void Block(const Problem& p, const Kernel& kern, int64_t m0, int64_t m1, 
   }
 }
 
-// Whether the problem runs on AMX's tiles (its x packed for them: see cpu.cc): only with kAmxMinRows rows
-// or more. A tile holds 16 rows of x, so with fewer most of each tile multiply is padding, and on the
-// machine measured (amx.h) VNNI was faster for decode's few rows and AMX for a prefill's many.
-// The bits are the same either way, so which one a call takes never shows in its output.
-inline bool OnAmx(const Problem& p) { return Pick().amx && amx::Fits(p.K) && p.M >= kAmxMinRows; }
-
-// Whether the problem runs on vnni_rows.h's tiles (its x packed for them: see cpu.cc): 16 rows or more on a
-// CPU with VNNI where AMX does not take them (no AMX, or a K its tiles do not fit). Fewer rows stay on the
-// tiles above, which were as fast or faster there with the weights streamed (vnni_rows.h). Again the bits
-// are the same either way.
-inline bool OnRows(const Problem& p) {
-  return Pick().vnni && p.M >= kAmxMinRows && !OnAmx(p) && vnni_rows::Fits(p.K);
-}
-
-// Whether a w8a8 problem (8-bit rows, p.qsum given) runs on a8.h's byte tiles (its x packed for them: see
-// cpu.cc): 3 to 8 rows on a CPU with AVX512-VNNI. Other row counts take the paths above on the same 8-bit
-// rows, with the same exact totals, so again the bits are the same either way.
-inline bool OnA8(const Problem& p) {
-  return p.qsum != nullptr && Pick().vnni && p.M >= a8::kMinRows && p.M <= a8::kMaxRows && a8::Fits(p.K);
-}
+// Where the problem runs (dispatch::Int8), each path's x packed for it by cpu.cc: AMX's tiles, vnni_rows.h's
+// lanes over rows, a8.h's byte tiles, or the tiles above. The bits are the same either way, so which one a
+// call takes never shows in its output.
+inline dispatch::Int8Route Route(const Problem& p) { return dispatch::Int8(p.M, p.K, p.qsum != nullptr); }
+inline bool OnAmx(const Problem& p) { return Route(p) == dispatch::Int8Route::kAmx; }
+inline bool OnRows(const Problem& p) { return Route(p) == dispatch::Int8Route::kRows; }
+inline bool OnA8(const Problem& p) { return Route(p) == dispatch::Int8Route::kA8; }
 
 // Weight rows per work item for a decode step's few rows (up to 8, int8.h's own tiles): 4 runs per thread,
 // each of whole 24-row groups (a multiple of every tile's nr) and at least kColBlock. A longer contiguous run of q
-// keeps the hardware prefetcher streaming where 72-row runs (55 KB at K = 768) kept restarting it: measured
-// 2026-12-05 on a 2-core AMD EPYC over gpt2-small's 49 matmuls, interleaved in one process, 1.04-1.08x at 1, 2
-// and 8 rows (the head's 50257 rows 1.11-1.13x); 16 runs per problem gained less. More rows keep kColBlock,
-// which bounds the x block and q panel a work item holds in cache.
+// keeps the hardware prefetcher streaming where 72-row runs (55 KB at K = 768) keep restarting it
+// (bench/RESULTS.md); 16 runs per problem gain less. More rows keep kColBlock, which bounds the x block and q
+// panel a work item holds in cache.
 inline int64_t DecodeColumns(const Problem& p, int64_t threads) {
   if (p.M > 8) return 0;
   const int64_t runs = 4 * std::max<int64_t>(threads, 1);

@@ -19,8 +19,8 @@ def min_rows(rows: int, row_size: int) -> int:
     """How many rows [rows, row_size] needs so its row-wise reductions round alike for any batch: enough
     for the large-input path, then whole groups of 8 rows and a last group of 1, 2 or 4. XLA reduces rows 8 at
     a time, and a last group of 3, 5, 6 or 7 rows rounds differently: a fused log_softmax over [R, 50257]
-    of a model's logits rounded rows 8q .. 8q + 7 differently for R mod 8 in {3, 5, 6, 7} (measured 2026-12-02
-    on real logits for R = 1 .. 32; random normal rows rarely show it, which is how R = 11 or 15 went unseen)."""
+    of a model's logits rounds rows 8q .. 8q + 7 differently for R mod 8 in {3, 5, 6, 7} (on real logits for
+    R = 1 .. 32; random normal rows rarely show it, which is how R = 11 or 15 can go unseen)."""
     r = max(rows, -(-MIN_REDUCE // max(row_size, 1)))
     whole, tail = divmod(r, 8)
     return 8 * whole + (0 if tail == 0 else 1 << (tail - 1).bit_length())

@@ -14,7 +14,7 @@
 //   lut [16]                   code c's top byte, shifted into place (t << 24); code 15 is the escape (lut 0)
 //   esc, esc_off [N + 1]       row n's escapes, esc[esc_off[n] .. esc_off[n + 1]): k << 8 | t, k ascending
 // The float's bits are low | lut[code], with t << 24 in place of lut[code] at an escape.
-// (No XLA, no Python here: a plain C++ program can time it.)
+// (No XLA, no Python here: bench/kernels_harness.cc times it.)
 #pragma once
 
 #include <immintrin.h>
@@ -22,16 +22,16 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <string>
 #include <vector>
 
+#include "dispatch.h"
 #include "rowdot.h"
 
 namespace packed {
 
 constexpr int64_t kGroup = 16;       // floats per group
 constexpr int64_t kGroupBytes = 56;  // their bytes
-constexpr int64_t kAhead = 4096;     // bytes ahead of the one-row pass that it prefetches (measured: 3.5-4 KB best)
+constexpr int64_t kAhead = 4096;     // bytes ahead of the one-row pass that it prefetches (bench/RESULTS.md)
 
 struct Weights {
   const uint8_t* data;     // [N, K / 16 x 56]
@@ -208,17 +208,8 @@ __attribute__((target("avx2,fma"))) inline void OneRow256(const float* x, const 
 
 // ------------------------------------------------------------------------------------- blocks and threads
 
-inline bool Vbmi() {
-  static const bool v = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bw") &&
-           std::string(rowdot::Pick().few.isa) == "avx512";  // GPT2_JAX_ROWDOT_ISA=avx2 takes AVX2 here too
-  }();
-  return v;
-}
-
 inline void Row(const Weights& w, int64_t n, int64_t K, float* out) {
-  if (Vbmi())
+  if (dispatch::PackedDecoder(2) == dispatch::Isa::kAvx512Vbmi)
     Row512(w, n, K, out);
   else
     Row256(w, n, K, out);
@@ -228,18 +219,17 @@ inline void Row(const Weights& w, int64_t n, int64_t K, float* out) {
 // OneRow256: one stream, which the hardware and kAhead prefetch linearly; 1 x 3 tiles read slower). Otherwise
 // each tile's nr weight rows are decoded into a buffer that rowdot's own tiles then read for every x row. Either
 // way rowdot's arithmetic, so rowdot's bits at every row count. (Decoding in registers for 2-8 rows, each vector
-// feeding every row, measured slower than the buffer: on AMD's AVX-512, which runs a 512-bit operation as two
-// halves, decoding a vector costs about as much as 8 rows' multiply-adds with it, so at B=8 either form spends
-// more on decoding than its 12.5% fewer bytes save, where float32 streams its bytes at about the memory's
-// speed; see precision.py.)
+// feeding every row, is slower than the buffer: on AMD's AVX-512, which runs a 512-bit operation as two halves,
+// decoding a vector costs about as much as 8 rows' multiply-adds with it, so at B=8 either form spends more on
+// decoding than its 12.5% fewer bytes save; see precision.py.) dispatch::PackedDecoder picks the decoder.
 inline void Block(const rowdot::Problem& p, const Weights& w, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
   const int64_t K = p.K;
   float out[48];
   const float* xs[8];
   if (p.M == 1) {
-    // AVX-512 where rowdot's own 1-row tiles are AVX-512's; on AMD, AVX2's (rowdot.h's AvxTwoForOneRow): there
-    // too the 256-bit decoder streamed faster (2-core AMD EPYC, 2026-12-05 20:41 peers run: 12.8 vs 14.1 ms/step)
-    static const bool wide = Vbmi() && std::string(rowdot::Pick().one.isa) == "avx512";
+    // AVX-512 where rowdot's own 1-row tiles are AVX-512's; where those are AVX2's (dispatch::OneRowOnAvx2),
+    // the 256-bit decoder streams faster too.
+    static const bool wide = dispatch::PackedDecoder(1) == dispatch::Isa::kAvx512Vbmi;
     if (wide)
       OneRow512(p.x, w, n0, n1, K, p.y);
     else

@@ -1,13 +1,13 @@
-// rowdot's arithmetic: tiles, blocks and the per-CPU choice of instructions (no XLA, no Python), so a
-// plain C++ program can time it too. cpu.cc calls it from XLA's FFI.
+// rowdot's arithmetic: tiles and blocks (no XLA, no Python), so bench/kernels_harness.cc times and
+// checks it too. cpu.cc calls it from XLA's FFI; dispatch.h picks its instructions.
 #pragma once
 
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <string>
+
+#include "dispatch.h"
 
 namespace rowdot {
 
@@ -55,11 +55,9 @@ __attribute__((target("avx512f,avx2,fma"))) inline void Sum16x8(const __m512* a,
 }
 
 // A loaded vector kept in a register. Left alone, GCC folds a load into every multiply-add that uses it
-// (a memory operand each), so an 8 x 3 tile issued 25 loads for its 24 multiply-adds and the loads, not the
-// multiply-adds, set the pace (one thread, cache-resident rows, 2-core AMD EPYC, 2026-12-05: 8 x 3 tile 56
-// -> 102 GFLOP/s, 4 x 6 73 -> 101, AVX2's 2 x 3 52 -> 68, against a peak of about 102). The same
-// multiply-adds in the same order: the same bits. Streaming a model's weights, a decode step's tiles are
-// then held by the memory instead (B=8 and prefill in the model: no change beyond this VM's noise).
+// (a memory operand each), so an 8 x 3 tile issues 25 loads for its 24 multiply-adds and the loads, not the
+// multiply-adds, set the pace of cache-resident rows (bench/RESULTS.md). The same multiply-adds in the
+// same order: the same bits.
 template <class V>
 inline void InRegister(V& v) {
   asm("" : "+v"(v));
@@ -115,9 +113,9 @@ __attribute__((target("avx2,fma"))) inline void Step256(const float* const* x, c
                                                         int64_t at, __m256 (&lo)[MR][NR], __m256 (&hi)[MR][NR],
                                                         int64_t ahead, uint32_t ahead_rows) {
   // Lanes 0-7 first, then lanes 8-15, so that besides the 2 x MR x NR accumulators only NR w vectors and one
-  // x vector are live: a 2 x 3 tile fits AVX2's 16 registers (12 + 3 + 1). Loading both halves first (6 w, 2 x)
-  // spilled accumulators to the stack: 8 rows 68 -> 84 GFLOP/s, 512 rows 81 -> 99 (2-core AMD EPYC, forced
-  // avx2, 2026-12-05). Each accumulator takes the same multiply-adds in the same order either way.
+  // x vector are live: a 2 x 3 tile fits AVX2's 16 registers (12 + 3 + 1), where loading both halves first
+  // (6 w, 2 x) spills accumulators to the stack. Each accumulator takes the same multiply-adds in the same
+  // order either way.
   __m256 wv[NR];
   for (int j = 0; j < NR; ++j) {
     if (ahead_rows >> j & 1) _mm_prefetch(reinterpret_cast<const char*>(w[j] + ahead + at), _MM_HINT_T1);
@@ -161,42 +159,28 @@ __attribute__((target("avx2,fma"))) void Tile256(const float* const* x, const fl
 using TileFn = void (*)(const float* const*, const float* const*, int64_t, float*, int64_t, uint32_t);
 
 struct Kernel {
-  const char* isa;
+  dispatch::Isa isa;
   int mr, nr;
   TileFn tiles[9];  // tiles[r]: r x rows (1 <= r <= mr) against nr w rows
 };
 
 // Two tile shapes, the same arithmetic per output. A decode step's few rows take one row tile, 8 x 3,
 // so each w vector loaded from memory feeds all of them; many rows (a prefill) take 4 x 6 tiles, which
-// load fewer vectors per multiply-add (measured on a 2-core AMD EPYC: 26 vs 20 GB/s at 8 rows, 172 vs
-// 150 GFLOP/s at 512). One row (decode at B=1) takes `one`: the few-row tile's, except on AMD, where it is
-// AVX2's (see AvxTwoForOneRow).
+// load fewer vectors per multiply-add. One row (decode at B=1) takes `one`: the few-row tile's, or AVX2's
+// where dispatch::Rowdot(1) says so.
 struct Kernels {
   Kernel one, few, many;
 };
 
-// AMD's AVX-512 cores (Zen 4) run a 512-bit operation as two 256-bit halves, so a 1-row tile, which only
-// streams w, gains nothing from the width; AVX2's 1-row tiles decoded faster there (2026-12-05, a 2-core AMD
-// EPYC, generate at B=1 with the tile switched at run time in one process: fp32 1.04-1.09x, int8 1.13-1.14x),
-// while on a Xeon the AVX-512 path was the faster. GPT2_JAX_ROWDOT_ISA=avx512... keeps AVX-512 for every tile.
-// The bits are the same either way.
-inline bool AvxTwoForOneRow(const char* forced) {
-  __builtin_cpu_init();
-  return __builtin_cpu_is("amd") && (forced == nullptr || std::string(forced).rfind("avx512", 0) != 0);
-}
-
 inline const Kernels& Pick() {
   static const Kernels k = [] {
-    __builtin_cpu_init();
-    // GPT2_JAX_ROWDOT_ISA=avx2 takes the AVX2 path on an AVX-512 CPU (the tests compare the two).
-    const char* isa = std::getenv("GPT2_JAX_ROWDOT_ISA");
-    bool force_avx2 = isa != nullptr && std::string(isa) == "avx2";
-    Kernel avx2{"avx2", 2, 3, {nullptr, Tile256<1, 3>, Tile256<2, 3>}};
-    if (__builtin_cpu_supports("avx512f") && !force_avx2) {
-      Kernel few{"avx512", 8, 3, {nullptr, Tile512<1, 3>, Tile512<2, 3>, Tile512<3, 3>, Tile512<4, 3>,
-                                  Tile512<5, 3>, Tile512<6, 3>, Tile512<7, 3>, Tile512<8, 3>}};
-      return Kernels{AvxTwoForOneRow(isa) ? avx2 : few, few,
-                     {"avx512", 4, 6, {nullptr, Tile512<1, 6>, Tile512<2, 6>, Tile512<3, 6>, Tile512<4, 6>}}};
+    using dispatch::Isa;
+    Kernel avx2{Isa::kAvx2, 2, 3, {nullptr, Tile256<1, 3>, Tile256<2, 3>}};
+    if (dispatch::Here().f32 == Isa::kAvx512) {
+      Kernel few{Isa::kAvx512, 8, 3, {nullptr, Tile512<1, 3>, Tile512<2, 3>, Tile512<3, 3>, Tile512<4, 3>,
+                                      Tile512<5, 3>, Tile512<6, 3>, Tile512<7, 3>, Tile512<8, 3>}};
+      return Kernels{dispatch::Rowdot(1) == Isa::kAvx2 ? avx2 : few, few,
+                     {Isa::kAvx512, 4, 6, {nullptr, Tile512<1, 6>, Tile512<2, 6>, Tile512<3, 6>, Tile512<4, 6>}}};
     }
     return Kernels{avx2, avx2, avx2};
   }();
@@ -221,36 +205,7 @@ struct Problem {
   int64_t M, N, K;
   const int32_t* ends = nullptr;  // [M], or null
   Ends mode = Ends::kNone;
-  // int8 weights (int8.h) in place of w: q [N, K] with a scale per output, and x's rows as int16 with a
-  // scale per row (xq [M, Kp], K padded with zeros to Kp, a multiple of 32).
-  const int8_t* wq = nullptr;
-  const float* w_scale = nullptr;
-  const int16_t* xq = nullptr;
-  const float* x_scale = nullptr;
-  int64_t Kp = 0;
-  // x's rows split into bytes and packed for AMX's tiles (amx.h), or null where the tiles are not used.
-  const int8_t* x_hi = nullptr;
-  const uint8_t* x_lo = nullptr;
-  // x's rows packed in groups of 8 for vnni_rows.h's lanes-over-rows tiles, or null.
-  const uint8_t* x_rows = nullptr;
-  // w8a8: qsum [N] (each weight row's sum) and x_zero [M] (each row's zero point: xq + x_zero is a byte),
-  // or null; x_a8: those bytes packed for a8.h's tiles, or null.
-  const int32_t* qsum = nullptr;
-  const int32_t* x_zero = nullptr;
-  const uint8_t* x_a8 = nullptr;
-  // int8: weight rows per work item (int8::DecodeColumns), or 0 for int8::kColBlock.
-  int64_t cols = 0;
 };
-
-// The int8 tiles' last part-step (int8.h, a8.h): weights w[j][k, k1) copied into zero-filled rows of L bytes,
-// ws[j] pointing at them, so a whole step reads past no weight row and adds nothing past k1.
-template <int NR, int L>
-inline void ZeroFilledTail(const int8_t* const* w, int64_t k, int64_t k1, int8_t (&tail)[NR][L], const int8_t** ws) {
-  for (int j = 0; j < NR; ++j) {
-    for (int64_t l = 0; l < L; ++l) tail[j][l] = k + l < k1 ? w[j][k + l] : 0;
-    ws[j] = tail[j];
-  }
-}
 
 inline int64_t MaxEnd(const Problem& p, int64_t m, int64_t mm) {
   int64_t e = 0;
@@ -261,11 +216,9 @@ inline int64_t MaxEnd(const Problem& p, int64_t m, int64_t mm) {
 // Rows [m0, m1) x columns [n0, n1) of y. A short last tile repeats its last row or column (computed the
 // same way, then dropped), so every output goes through the same instructions. The row tiles of each
 // column tile prefetch the next column tile's w rows into L2 as they go: the hardware prefetcher alone
-// leaves memory idle while a few-row tile computes (measured: 16 -> 27 GB/s at 8 rows, 29 -> 38 at 1,
-// 2 threads, on a 2-core AMD EPYC). Row tile r of R takes the rows j with j % R == r, so the prefetches
-// go out spread over the column tile's work, not all in its first row tile: at 8 rows AVX2 runs 4 row
-// tiles, and the bursts left memory idle (the same AMD EPYC, forced avx2, 8 rows against gpt2-small's
-// bytes in a C++ loop: 25.7 -> 20.6 ms; 64 rows, 16 row tiles of 4 x 6, 100 -> 92 ms).
+// leaves memory idle while a few-row tile computes. Row tile r of R takes the rows j with j % R == r, so
+// the prefetches go out spread over the column tile's work, not all in its first row tile, whose bursts
+// leave memory idle too (at 8 rows AVX2 runs 4 row tiles). bench/RESULTS.md has the figures.
 inline void Block(const Problem& p, const Kernel& kern, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
   const int64_t ahead = kern.nr * p.K;  // floats from a w row to the same k in the next tile's row
   const int64_t R = std::clamp<int64_t>((m1 - m0 + kern.mr - 1) / kern.mr, 1, kern.nr);  // row tiles sharing

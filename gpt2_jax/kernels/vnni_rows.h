@@ -5,11 +5,9 @@
 // costs a third as much as the multiply-adds before it. Here every lane is one x row's own total for one
 // output column, and nothing is summed across lanes but a row's two byte planes at the very end.
 //
-// Measured (2026-12-03, the 2-core Xeon VM, forced to VNNI; gpt2-small's 49 int8 matmuls, 124 MB of weights
-// streamed, 2 threads, best of 12 taking turns with int8.h's tiles in one process): 16 rows 31.5 against
-// 39.4 ms, 64 rows 81 against 118 ms, 512 rows 637 against 841 ms. With weights that stay in cache it was
-// 1.5-1.8x faster at 8 rows too, but streamed, 3-8 rows were 0.75-1.08x: a decode step's few rows stay on
-// int8.h's tiles, which read the weights in longer runs.
+// From 16 rows on it is faster than int8.h's tiles with the weights streamed; with fewer rows it is faster
+// only on weights that stay in cache, so a decode step's few rows stay on int8.h's tiles, which read the
+// weights in longer runs (bench/RESULTS.md).
 //
 // The arithmetic (the AMX split of amx.h, in VNNI's u8 x s8 instruction, vpdpbusd):
 //   xq = 256 * hi + lo with hi = xq >> 8 in [-128, 127] and lo = xq & 255 in [0, 255]. vpdpbusd wants its
@@ -20,15 +18,13 @@
 //   (|(hi + 128) . q| <= 65536 * 255 * 128 < 2^31), joined in int64: int8.h's total, then its one rounding.
 //
 // w8a8's 8-bit rows (a8.h) need no low plane: xq + z (its zero point) is one byte, so a group holds 16 rows,
-// one per lane, and the total is lane[r] - z * sum(q); one instruction does twice the rows (measured 2026-12-05 on
-// the 2-core AMD EPYC, gpt2-small's 49 matmuls through the FFI, taking turns: 512 rows 291 against int16's 467
-// ms, 64 rows 37.6 against 57.9, 16 rows 8.8 against 14.2).
+// one per lane, and the total is lane[r] - z * sum(q); one instruction does twice the rows.
 //
 // The layout: a group of 8 rows is packed once per call into steps of 64 bytes, one step per 4 consecutive
 // k: lane r holds row r's 4 bytes of hi + 128, lane 8 + r its 4 bytes of lo. The weights stay as they lie
 // ([N, K], int8): 4 bytes of one column are broadcast to every lane (folded into vpdpbusd as a memory
 // operand), so one instruction does 4 k of 8 rows for one column, and a tile of 12 columns shares each
-// packed x step. (No XLA, no Python here: a plain C++ program can time it.)
+// packed x step. (No XLA, no Python here: bench/kernels_harness.cc times and checks it.)
 #pragma once
 
 #include <immintrin.h>
@@ -37,13 +33,14 @@
 #include <cstdint>
 #include <cstring>
 
-#include "rowdot.h"  // Problem
+#include "dispatch.h"
+#include "int8_problem.h"
 
 namespace vnni_rows {
 
-using rowdot::Problem;
+using int8::Problem;
 
-constexpr int64_t kMaxK = 65536;  // the int32 sums' bound (above)
+constexpr int64_t kMaxK = dispatch::kMaxK8;  // the int32 sums' bound (above)
 constexpr int kNR = 12;           // columns per tile: 12 sums + 12 weight sums + x + 1s + a spare of 32 registers
 constexpr int kG = 8;             // x rows per group (int16 rows: two planes)
 constexpr int kG8 = 16;           // w8a8's 8-bit rows per group (one plane)
@@ -53,7 +50,6 @@ inline int64_t Group(const Problem& p) { return p.qsum != nullptr ? kG8 : kG; }
 
 // Whether a problem with this K can take these tiles: whole steps of 4 k (a broadcast never reads past a
 // weight row, so never past the last) and the sums' bound.
-inline bool Fits(int64_t K) { return K > 0 && K <= kMaxK && K % 4 == 0; }
 inline int64_t GroupBytes(int64_t K) { return K / 4 * 64; }
 inline int64_t PackedBytes(int64_t M, int64_t K, int64_t G = kG) { return (M + G - 1) / G * GroupBytes(K); }
 
@@ -137,7 +133,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void Tile(const ui
       for (int j = 0; j < kNR; ++j) acc[j] = _mm512_dpbusd_epi32(acc[j], xv, Broadcast(w[j] + k + t));
     }
   }
-  if (k < K) {  // the last K % 64: whole steps (Fits), the weight sums from a masked load
+  if (k < K) {  // the last K % 64: whole steps (dispatch::RowsFits), the weight sums from a masked load
     const __mmask64 mask = ~0ull >> (64 - (K - k));
     for (int j = 0; j < kNR; ++j) wsum[j] = _mm512_dpbusd_epi32(wsum[j], ones, _mm512_maskz_loadu_epi8(mask, w[j] + k));
     for (; k < K; k += 4) {
