@@ -174,13 +174,14 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from gpt2_jax.serving import create_app
+        from gpt2_jax.serving.api import create_app
+        from gpt2_jax.serving.limits import header_timeout
     except ImportError as e:
         raise GPT2JaxError(f"gpt2-jax serve needs fastapi and uvicorn: pip install 'gpt2-jax[serve]' ({e})") from None
 
     from gpt2_jax.model import KEY_BLOCK, float_dtype, pool_bytes
     from gpt2_jax.parallel import parse_mesh
-    from gpt2_jax.serving import ConstraintCompiler, Engine, header_timeout, tune_malloc, warm_up
+    from gpt2_jax.serving import ConstraintCompiler, Engine, tune_malloc, warm_up
     from gpt2_jax.tokenizer import tokenizer
 
     def say(line: str) -> None:
@@ -216,7 +217,7 @@ def run_serve(args: argparse.Namespace) -> int:
         starting.start()
 
         def compiled(key, seconds):
-            left = engine.programs.pending()
+            left = engine.programs.pending() if engine is not None else ()
             say(
                 f"compiled {key[0]} {key[1]} in {seconds:.1f} s"
                 + (f" ({len(left)} to go)" if left else "; all compiled")

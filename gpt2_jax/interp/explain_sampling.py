@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from gpt2_jax.config import GPT2Config
@@ -71,8 +72,9 @@ def entropy(p: np.ndarray) -> float:
 def stage(name: str, logits: np.ndarray, s: SamplingParams, config: GPT2Config) -> dict:
     """One stage: the distribution with the warpers up to `name`, its kept count and entropy."""
     w = stage_settings(s, name)
-    probs = np.asarray(next_token_probs(logits[None], n_valid=config.valid_vocab, **w))[0]
-    kept = filter_logits(logits[None], row_settings(w["temperature"], w["top_k"], w["top_p"], 1, w["min_p"]),
+    row = jnp.asarray(logits)[None]  # [1, V]
+    probs = np.asarray(next_token_probs(row, n_valid=config.valid_vocab, **w))[0]
+    kept = filter_logits(row, row_settings(w["temperature"], w["top_k"], w["top_p"], 1, w["min_p"]),
                          config.valid_vocab)  # fmt: skip
     return {"name": name, "settings": w, "kept": int(np.isfinite(np.asarray(kept)).sum()),
             "entropy": entropy(probs), "probs": encode_array(probs), "top": top_tokens(probs)}  # fmt: skip
@@ -86,7 +88,7 @@ def row_key(seed: int, position: int) -> jax.Array:
 def draw(logits: np.ndarray, s: SamplingParams, seed: int, position: int, config: GPT2Config) -> int:
     """The seeded draw from processed logits [V], as generate's decode step makes it."""
     w = stage_settings(s, "min_p")
-    return int(sample(row_key(seed, position), logits[None], n_valid=config.valid_vocab, **w)[0])
+    return int(sample(row_key(seed, position), jnp.asarray(logits)[None], n_valid=config.valid_vocab, **w)[0])
 
 
 def sampling_view(params, config: GPT2Config, prompt: list[int], outputs: list[int], settings: dict, seed: int):

@@ -125,7 +125,7 @@ LAYER_FIELDS = {  # the page's name -> the recorded point, [T, ...] after the ba
 def layer_view(out: dict, layer: int) -> dict:
     """One block by stages: LayerNorm, Q/K/V per head, the scores' stages per head [H, T, T] (raw q.k,
     / sqrt(K), causal mask, softmax = hook_pattern), the weighted sum, c_proj, MLP pre/post GELU."""
-    view = {name: encode_array(out[point][0]) for name, point in LAYER_FIELDS.items()}
+    view: dict[str, Any] = {name: encode_array(out[point][0]) for name, point in LAYER_FIELDS.items()}
     view.update({f"stage_{s}": encode_array(out[f"stage.{s}"][0]) for s in ("raw", "scaled", "masked", "softmax")})
     view.update(layer=layer, gelu_x=encode_array(out["gelu.x"]), gelu_y=encode_array(out["gelu.y"]))
     view["norms"] = {p: encode_array(out[f"norm.{p}"][:, 0]) for p in ("hook_resid_mid", "hook_resid_post")}

@@ -17,6 +17,7 @@ import dataclasses
 import difflib
 import re
 from collections.abc import Callable, Iterable, Mapping
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -116,7 +117,8 @@ def hooks(edits: Hooks | Mapping[str, Edit] | Iterable[tuple[str, Edit]] | None 
     if isinstance(edits, Hooks):
         return edits
     pairs = () if edits is None else edits.items() if isinstance(edits, Mapping) else edits
-    return Hooks(tuple(tuple(p) if isinstance(p, list) else p for p in pairs))
+    items = tuple(tuple(p) if isinstance(p, list) else p for p in pairs)  # Hooks checks each is a (name, fn) pair
+    return Hooks(cast("tuple[tuple[str, Edit], ...]", items))
 
 
 def checked_hooks(edits, config: GPT2Config) -> Hooks:

@@ -35,7 +35,7 @@ from gpt2_jax.model.params import Params
 # (module, leaf) -> the axis of that leaf split over "model" (negative: counted from the end,
 # so stacked [L, ...] and per-layer leaves share the rule). int8 "scale" (and w8a8's "qsum") follows its
 # output axis.
-_MODEL_AXIS = {
+_MODEL_AXIS: dict[tuple[str, ...], int] = {
     ("c_attn", "weight"): -2, ("c_attn", "bias"): -1, ("c_attn", "scale"): -1,
     ("c_fc", "weight"): -2, ("c_fc", "bias"): -1, ("c_fc", "scale"): -1, ("c_fc", "qsum"): -1,
     ("c_proj", "weight"): -1,
@@ -50,19 +50,23 @@ def make_mesh(data: int | None = None, model: int | None = None, devices: list |
     for name, size in (("data", data), ("model", model)):
         if size is not None and (not isinstance(size, int) or size < 1):
             raise ConfigError(f"mesh {name} size must be an int >= 1, got {size!r}")
-    if data is None and model is None:
-        data, model = n, 1
-    elif data is None or model is None:
-        given, name = (model, "model") if data is None else (data, "data")
-        if n % given:
-            raise ConfigError(f"mesh {name}={given} does not divide the {n} available devices")
-        data, model = (n // given, given) if data is None else (given, n // given)
+    if model is None:  # the model axis takes the devices the data axis leaves (none given: 1)
+        model = 1 if data is None else _rest(n, data, "data")
+    if data is None:
+        data = _rest(n, model, "model")
     if data * model > n:
         raise ConfigError(f"mesh data={data} x model={model} needs {data * model} devices, but {n} are available")
     if data * model < n and jax.process_count() > 1:
         raise ConfigError(f"mesh data={data} x model={model} must use all {n} devices when running on "
                           f"{jax.process_count()} processes")  # fmt: skip
     return jax.make_mesh((data, model), AXES, axis_types=(AxisType.Auto,) * 2, devices=devices[: data * model])
+
+
+def _rest(n: int, given: int, name: str) -> int:
+    """The other axis's size when `name` has `given` of the n devices."""
+    if n % given:
+        raise ConfigError(f"mesh {name}={given} does not divide the {n} available devices")
+    return n // given
 
 
 def parse_mesh(text: str) -> Mesh:
@@ -73,7 +77,7 @@ def parse_mesh(text: str) -> Mesh:
         if not m or m.group(1) in sizes:
             raise ConfigError(f"--mesh {text!r}: expected data=N,model=M (e.g. data=2,model=4)")
         sizes[m.group(1)] = int(m.group(2))
-    return make_mesh(**sizes)
+    return make_mesh(data=sizes.get("data"), model=sizes.get("model"))
 
 
 def check_mesh(config: GPT2Config, mesh: Mesh) -> None:
@@ -96,7 +100,7 @@ def leaf_spec(names: tuple[str, ...], ndim: int, config: GPT2Config, model: int)
     axis = _MODEL_AXIS.get(names[-2:])
     if axis is None:
         return P()
-    spec = [None] * ndim
+    spec: list[str | None] = [None] * ndim
     spec[axis] = "model"
     return P(*spec)
 
