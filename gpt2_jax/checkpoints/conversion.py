@@ -5,15 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import jax.numpy as jnp
-
 from gpt2_jax.checkpoints import hf, native
 from gpt2_jax.checkpoints.atomic import atomic_dir, check_writable_destination
-from gpt2_jax.checkpoints.loading import load, resolve_dtype
+from gpt2_jax.checkpoints.loading import load, resolve_precision
 from gpt2_jax.checkpoints.streaming import progress_bar
 from gpt2_jax.errors import ConfigError
 from gpt2_jax.model import precision
 from gpt2_jax.model.params import is_int8, param_bytes, to_flat
+from gpt2_jax.model.precision_type import Precision
 
 
 def convert(src: str | Path, dst: str | Path, *, dtype: Any = None, force: bool = False, to_hf: bool = False,
@@ -24,11 +23,14 @@ def convert(src: str | Path, dst: str | Path, *, dtype: Any = None, force: bool 
     progress: tqdm bars (bytes) on stderr, reading then writing."""
     dst = Path(dst).absolute()
     check_writable_destination(dst, force, native.CHECKPOINT_FILES)  # fail before the (slow) load, not after
-    dtype = resolve_dtype(dtype)
-    if to_hf and dtype == jnp.int8:
+    mode = resolve_precision(dtype)
+    if mode is not None and mode not in (Precision.FLOAT32, Precision.BFLOAT16, Precision.INT8):
+        raise ConfigError(f"convert writes float32, bfloat16 or int8; {mode.value} is chosen when loading: "
+                          f"load(..., dtype={mode.value!r})")  # fmt: skip
+    if to_hf and mode is Precision.INT8:
         raise ConfigError("--to-hf writes float weights (HuggingFace has no gpt2_jax int8 layout); "
                           "drop --dtype int8 or write a gpt2_jax checkpoint")  # fmt: skip
-    params, config = load(src, dtype=dtype, progress=progress, stacked=True)  # as stored
+    params, config = load(src, dtype=mode, progress=progress, stacked=True)  # as stored
     if to_hf and is_int8(params):  # an int8 gpt2_jax checkpoint: the values it holds, in float32
         params = precision.with_precision(params, "float32")
     with progress_bar(param_bytes(params), progress, f"writing {dst}") as bar:

@@ -5,15 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import jax.numpy as jnp
-
 from gpt2_jax.checkpoints import hf, nanogpt, native, torch_files
 from gpt2_jax.checkpoints.lazy import Lazy
 from gpt2_jax.checkpoints.streaming import build_params
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import CheckpointError, ConfigError
-from gpt2_jax.model import precision
-from gpt2_jax.model.params import Params, is_int8
+from gpt2_jax.model import precision as precision_modes
+from gpt2_jax.model.params import Params
+from gpt2_jax.model.precision_type import MODES, Precision
 from gpt2_jax.parallel.sharding import shard_params
 
 FORMATS = (
@@ -25,26 +24,23 @@ _TORCH_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 _GIVEN = "the config= argument"
 
 
-def resolve_dtype(dtype: Any) -> Any:
-    """None, 'float32', 'bfloat16' or 'int8' (gpt2_jax.model.precision's weight-only int8; or the jnp
-    dtypes) -> a jnp dtype or None."""
+def resolve_precision(dtype: Any) -> Precision | None:
+    """load()'s dtype= -> its Precision: None (keep the stored one), a mode's name (one of MODES), a jnp
+    dtype or a Precision. The one place a user's string becomes the mode; everything after branches on it."""
     if dtype is None:
         return None
-    name = jnp.dtype(dtype).name if not isinstance(dtype, str) else dtype
-    if name not in ("float32", "bfloat16", "int8"):
-        also = {"w8a8": " (w8a8 is int8's weights, chosen when loading: load(..., dtype='w8a8'))",
-                "float32-packed": " (float32-packed is chosen when loading: load(..., dtype='float32-packed'))"
-                }.get(name, "")  # fmt: skip
-        raise ConfigError(f"dtype {dtype!r} is not supported; use float32, bfloat16 or int8{also}")
-    return jnp.dtype(name)
+    try:
+        return Precision.parse(dtype)
+    except ConfigError:
+        raise ConfigError(f"dtype {dtype!r} is not supported; use one of {', '.join(MODES)}") from None
 
 
-def in_precision(params: Params, config: GPT2Config, dtype: Any, mesh: Any) -> Params:
-    """Loaded params in dtype (None: as loaded): int8 quantized from float (or kept), float from int8
-    dequantized then cast; laid out on the mesh again where that changed them."""
-    if dtype is None or (dtype == jnp.int8) == is_int8(params):
+def in_precision(params: Params, config: GPT2Config, precision: Precision | None, mesh: Any) -> Params:
+    """Loaded params in precision (None: as loaded): quantized, packed, dequantized or cast where the
+    readers' params are in another mode; laid out on the mesh again where that changed them."""
+    if precision is None or Precision.of(params) is precision:
         return params
-    params = precision.with_precision(params, dtype.name)
+    params = precision_modes.with_precision(params, precision)
     return shard_params(params, config, mesh) if mesh is not None else params
 
 
@@ -105,24 +101,15 @@ def load(
     peak memory is about the weights once. progress: a tqdm bar (bytes) on stderr for loads over 2 s.
     stacked=True: block leaves stacked on L instead (the form checkpoints store; convert writes it)."""
     path = Path(path)
-    w8a8 = isinstance(dtype, str) and dtype == "w8a8"
-    packed = isinstance(dtype, str) and dtype == "float32-packed"
-    if packed and (mesh is not None or stacked):
+    precision = resolve_precision(dtype)
+    if precision is Precision.FLOAT32_PACKED and (mesh is not None or stacked):
         raise ConfigError("float32-packed params are per-layer and on one device: drop mesh= / stacked=")
-    dtype = resolve_dtype("int8" if w8a8 else "float32" if packed else dtype)
-    params, config = _load(path, dtype, config, mesh, progress, stacked)
-    params = in_precision(params, config, dtype, mesh)
-    if packed:
-        params = precision.pack_params(params)
-    if w8a8:  # int8's params with each weight row's sum
-        params = precision.quantize_w8a8(params)
-        params = shard_params(params, config, mesh) if mesh is not None else params
-    return params, config
+    params, config = _load(path, None if precision is None else precision.read_dtype, config, mesh, progress, stacked)
+    return in_precision(params, config, precision, mesh), config
 
 
 def _load(path: Path, dtype: Any, config: GPT2Config | None, mesh: Any, progress: bool, stacked: bool):
-    """load(), int8 aside: the readers give int8 params as stored, and float ones for a float32 read."""
-    dtype = jnp.dtype(jnp.float32) if dtype == jnp.int8 else dtype  # then quantized by in_precision
+    """load() before the precision mode: float tensors read in dtype (None: as stored), int8 ones as stored."""
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
     path = _training_run(path)

@@ -2,15 +2,17 @@
 
   params.py      the params pytree (per-layer or stacked), shapes, init_params, checkpoint <-> tree layout
   checks.py      checkpoint tensors and params against a config, each error naming file, field and shapes
-  layers.py      layer_norm, matmul, linear, mlp, attention, block: one pure function per piece
-  attention.py   attention's arithmetic (the block-by-block softmax that keeps a row's bits its own)
+  layers.py      the textbook: gelu, layer_norm, linear, mlp, attend, attention, block, one pure function each
+  invariant.py   what they pass through so a row's bits are its own: row padding, matmul dispatch, hook taps
+  attention.py   attention's arithmetic (invariant's half): the block-by-block softmax, training's plain one
   kv_cache.py    the KV cache: allocated once, written in place, one write position per row
   paged_cache.py the paged KV cache: a pool of blocks shared by every row, a block table per row
   gpt2.py        embed, run_blocks (one scan over L), unembed, forward, forward_cached
   layer_loop.py  the layer scan's view of the params (weights read in place)
   axes.py        logical axes: constrain activations by shape letters, on a mesh or not
   dropout.py     inverted dropout, 16-bit decisions (training only)
-  precision.py   bfloat16 and int8 weight-only modes
+  precision_type.py  Precision: the one precision type, parsed from a mode's name or read from params
+  precision.py   the modes' conversions: float32-packed, bfloat16, int8 and w8a8 weights (with_precision)
 
 Shape legend (gpt2_jax.config): B batch, T positions, S cache slots, D width, H heads, K head dim,
 F MLP width, V vocab, L layers.
@@ -34,9 +36,10 @@ from gpt2_jax.model.params import (
     stack_layers,
     unstack_layers,
 )
+from gpt2_jax.model.precision_type import Precision
 
 __all__ = [
-    "KEY_BLOCK", "NULL_BLOCK", "CacheView", "KVCache", "PagedKVCache", "PagedView", "Params", "apply",
+    "KEY_BLOCK", "NULL_BLOCK", "CacheView", "KVCache", "PagedKVCache", "PagedView", "Params", "Precision", "apply",
     "cache_bytes", "cast_params", "check_tokens", "constrain", "data_size", "embed", "float_dtype", "forward",
     "forward_cached", "init_cache", "init_params", "init_pool", "is_int8", "is_packed", "is_w8a8", "mesh_of", "on_mesh", "param_bytes",
     "pool_bytes", "precision", "replicate", "run_blocks", "stack_layers", "trunk", "unembed", "unstack_layers",

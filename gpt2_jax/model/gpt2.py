@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -10,44 +11,41 @@ import numpy as np
 
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import InputError
-from gpt2_jax.kernels import packed_rows
+from gpt2_jax.model import invariant
 from gpt2_jax.model.axes import constrain, mesh_of, on_mesh
+from gpt2_jax.model.dropout import dropout
+from gpt2_jax.model.invariant import F32, within
 from gpt2_jax.model.kv_cache import CacheView, KVCache
 from gpt2_jax.model.layer_loop import layer_at, n_layers, scan_layers
-from gpt2_jax.model.layers import F32, block, dropout, int8_matmul, layer_norm, matmul, within
-from gpt2_jax.model.params import Params, is_int8, is_packed
+from gpt2_jax.model.layers import block, layer_norm
+from gpt2_jax.model.params import Params
+from gpt2_jax.model.precision_type import Precision
+
+if TYPE_CHECKING:  # shapes as annotations only: jaxtyping is not a runtime dependency
+    from jaxtyping import Array, Float, Int
 
 
-def embed(params: Params, tokens: jax.Array, positions: jax.Array, tap=None) -> jax.Array:
-    """tokens [B, T], positions [B, T] or [T] -> [B, T, D] float32: wte[token] + wpe[position].
-    Hook points (see gpt2_jax.model.layers): hook_embed and hook_pos_embed, both [B, T, D].
+def embed(
+    params: Params, tokens: Int[Array, "B T"], positions: Int[Array, "B T"] | Int[Array, " T"], tap=None
+) -> Float[Array, "B T D"]:
+    """tokens [B, T], positions [B, T] or [T] -> wte[tokens] + wpe[positions] [B, T, D] float32 (a token's
+    row as its precision stores it: see invariant.token_rows). Hook points (see gpt2_jax.model.layers):
+    hook_embed and hook_pos_embed, both [B, T, D].
 
     Out-of-range ids give NaN rather than a silently clamped row, so bad input never
     turns into plausible-looking logits inside a jit where it cannot raise."""
-    if is_packed(params):  # float32-packed (gpt2_jax.model.precision): the rows unpacked, NaN for a bad id
-        tok = packed_rows(params["wte"], tokens)
-    else:
-        tok = jnp.take(params["wte"], tokens, axis=0, mode="fill", fill_value=jnp.nan if not is_int8(params) else 0)
-    if is_int8(params):  # int8 rows (gpt2_jax.model.precision) times their scales; a bad id's scale is NaN
-        tok = tok.astype(F32)
-        if "wte_residual" in params:  # the embedding's second byte: q + r / 256 (exact in float32), then the scale
-            residual = jnp.take(params["wte_residual"], tokens, axis=0, mode="fill", fill_value=0)
-            tok = tok + residual.astype(F32) / 256.0
-        tok = tok * jnp.take(params["wte_scale"], tokens, mode="fill", fill_value=jnp.nan)[..., None]
+    tok = invariant.token_rows(params, tokens, Precision.of(params))
     pos = jnp.take(params["wpe"], positions, axis=0, mode="fill", fill_value=jnp.nan)
     if tap is not None:  # [T, D] positions broadcast as the sum would, so the hook sees [B, T, D]
         tok, pos = tap("hook_embed", tok.astype(F32)), tap("hook_pos_embed", jnp.broadcast_to(pos, tok.shape))
     return tok.astype(F32) + pos.astype(F32)
 
 
-def unembed(params: Params, h: jax.Array, config: GPT2Config, tap=None) -> jax.Array:
-    """[B, T, D] -> logits [B, T, V] float32: final LayerNorm, then h @ wte.T (tied, no bias).
+def unembed(params: Params, h: Float[Array, "B T D"], config: GPT2Config, tap=None) -> Float[Array, "B T V"]:
+    """[B, T, D] -> logits [B, T, V] float32: ln_f(h) @ wte.T (tied to the embedding, no bias).
     Hook points: ln_final.hook_scale and ln_final.hook_normalized."""
     h = layer_norm(params["ln_f"], h, config.layer_norm_epsilon, within(tap, "ln_final"))
-    wte = params["wte"]
-    if is_int8(params):
-        return int8_matmul(h, wte, params["wte_scale"], params.get("wte_qsum"))
-    return matmul(h.astype(wte.dtype), wte)  # [B, T, D] x [V, D] -> [B, T, V]
+    return invariant.tied_logits(params, h, Precision.of(params))
 
 
 def run_blocks(
@@ -67,14 +65,14 @@ def run_blocks(
     the carry (`store`; None, no leaves, without a tap) and is handed back to it after the loop.
     Training's options: unroll, layers per scan iteration (see gpt2_jax.training.step.TRAIN_UNROLL); remat,
     recompute each block's activations in the backward instead of keeping them (jax.checkpoint)."""
-    layers = scan_layers(params["h"])
+    layers, precision = scan_layers(params["h"]), Precision.of(params)
     S = x.shape[1] if cache is None else cache.mask.shape[-1]  # key slots each query attends over
 
     def step(carry, i):
         x, cache, store = carry
         layer_key = None if key is None else jax.random.fold_in(key, i)
         layer_tap = None if tap is None else tap.layer(i)
-        x, cache = block(layer_at(layers, i), x, config, i, cache, layer_key, layer_tap)
+        x, cache = block(layer_at(layers, i), x, config, i, cache, layer_key, layer_tap, precision)
         return (x, cache, None if tap is None else layer_tap.save(store)), None
 
     store = None if tap is None else tap.new_store(x.shape[0], x.shape[1], S)

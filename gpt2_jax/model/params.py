@@ -44,7 +44,8 @@ import numpy as np
 
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import ConfigError
-from gpt2_jax.kernels import Packed, packed_rows
+from gpt2_jax.kernels import packed_rows
+from gpt2_jax.model.precision_type import Precision
 
 Params = dict[str, Any]
 
@@ -177,49 +178,50 @@ def init_params(key: jax.Array, config: GPT2Config, dtype: Any = jnp.float32, *,
 
 def cast_params(params: Params, dtype: Any) -> Params:
     """Every leaf cast to dtype (float32 or bfloat16). Not for int8 params, whose int8 leaves would lose
-    their scales: gpt2_jax.model.precision.with_precision takes those."""
-    if is_packed(params):
+    their scales, nor float32-packed ones: gpt2_jax.model.precision.with_precision takes those."""
+    precision = Precision.of(params)
+    if precision.packed:
         raise ConfigError("these params are float32-packed (gpt2_jax.model.precision); cast them with "
                           "precision.with_precision(params, 'float32' or 'bfloat16'), which unpacks first")  # fmt: skip
-    if is_int8(params):
+    if precision.quantized:
         raise ConfigError("these params are int8 (gpt2_jax.model.precision); cast them with "
                           "precision.with_precision(params, 'float32' or 'bfloat16'), which dequantizes first")  # fmt: skip
     return jax.tree.map(lambda a: jnp.asarray(a, dtype), params)
 
 
 def is_int8(params: Params) -> bool:
-    """Whether params are gpt2_jax.model.precision's int8 weight-only params (int8 wte with "wte_scale"),
-    w8a8's included (the same weights)."""
-    return "wte_scale" in params
+    """Whether params are gpt2_jax.model.precision's int8 weight-only params, w8a8's included (the same weights)."""
+    return Precision.of(params).quantized
 
 
 def is_packed(params: Params) -> bool:
     """Whether params are gpt2_jax.model.precision's float32-packed params (wte and the block matmuls Packed)."""
-    return isinstance(params["wte"], Packed)
+    return Precision.of(params).packed
 
 
 def is_w8a8(params: Params) -> bool:
     """Whether params are gpt2_jax.model.precision's w8a8 params (int8's with the weight rows' sums)."""
-    return "wte_qsum" in params
+    return Precision.of(params) is Precision.W8A8
 
 
 def check_trainable(params: Params) -> None:
     """Raise unless params can take gradient updates (float32 or bfloat16 leaves). int8, w8a8 and
     float32-packed params (gpt2_jax.model.precision) are inference forms: their integer or packed leaves have
     no gradient, so training them would fail deep inside jax.grad."""
-    form = "float32-packed" if is_packed(params) else "w8a8" if is_w8a8(params) else "int8" if is_int8(params) else ""
-    if form:
-        raise ConfigError(f"{form} params are for inference only and cannot be trained: load them with "
+    precision = Precision.of(params)
+    if not precision.trainable:
+        raise ConfigError(f"{precision.value} params are for inference only and cannot be trained: load them with "
                           "dtype='float32' or 'bfloat16', or convert them with "
                           "precision.with_precision(params, 'float32')")  # fmt: skip
 
 
 def wte_rows(params: Params, ids: jax.Array) -> jax.Array:
     """ids [...] -> their rows of the tied embedding [..., D] float32 (an int8 wte's times their scales)."""
-    if is_packed(params):
+    precision = Precision.of(params)
+    if precision.packed:
         return packed_rows(params["wte"], ids)
     rows = params["wte"][ids].astype(jnp.float32)
-    return rows * params["wte_scale"][ids][..., None] if is_int8(params) else rows
+    return rows * params["wte_scale"][ids][..., None] if precision.quantized else rows
 
 
 def float_dtype(params: Params) -> Any:
@@ -252,7 +254,7 @@ def unstack_layers(params: Params) -> Params:
 
 def stack_layers(params: Params) -> Params:
     """The inverse of unstack_layers: "h" leaves stacked on a leading L axis (the checkpoint form)."""
-    if is_packed(params):
+    if Precision.of(params).packed:
         raise ConfigError("float32-packed params are for inference only (gpt2_jax.model.precision): unpack them with "
                           "precision.with_precision(params, 'float32') to train or save them")  # fmt: skip
     if not isinstance(params["h"], (list, tuple)):

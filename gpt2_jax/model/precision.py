@@ -50,8 +50,7 @@ import jax.numpy as jnp
 from gpt2_jax.errors import ConfigError
 from gpt2_jax.kernels import pack, unpack
 from gpt2_jax.model.params import BYTE_INPUTS, MATMULS, Params, cast_params, is_int8, is_packed, is_w8a8
-
-MODES = ("float32", "float32-packed", "bfloat16", "int8", "w8a8")
+from gpt2_jax.model.precision_type import MODES, Precision  # noqa: F401 (MODES: the names with_precision takes)
 
 
 def quantize(w: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -158,15 +157,15 @@ def unpack_params(params: Params) -> Params:
     return {**_layers(params, lambda p: {**p, "weight": unpack(p["weight"])}), "wte": unpack(params["wte"])}
 
 
-def with_precision(params: Params, mode: str) -> Params:
-    """params in one of MODES (see the module docstring), from float, float32-packed, int8 or w8a8 params."""
-    if mode not in MODES:
-        raise ConfigError(f"precision {mode!r} is not one of {', '.join(MODES)}")
-    if mode == "float32-packed":
+def with_precision(params: Params, mode: Precision | str) -> Params:
+    """params in mode (a Precision or its name, one of MODES; see the module docstring), from float,
+    float32-packed, int8 or w8a8 params."""
+    mode = Precision.parse(mode)
+    if mode.packed:
         return pack_params(params)
     params = unpack_params(params)
-    if mode == "int8":
+    if mode is Precision.INT8:
         return quantize_int8(params)
-    if mode == "w8a8":
+    if mode is Precision.W8A8:
         return quantize_w8a8(params)
-    return cast_params(dequantize(params), jnp.dtype(mode))
+    return cast_params(dequantize(params), jnp.dtype(mode.value))
