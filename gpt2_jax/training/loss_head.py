@@ -23,9 +23,8 @@ from gpt2_jax.model.layers import F32
 def head_rows(D: int) -> int:
     """Tokens per chunk of the loss head: about as many as the model is wide (a power of 2 from 128 to
     1024). Each chunk's three matmuls contract over D, V and the chunk's rows, and XLA's CPU matmul
-    needs the rows to grow with D to run near its best; measured on the CI machine at 8 x 128/256
-    tokens, forward and backward: D = 128 took 287 ms at 128 rows, 370 ms at 1024; D = 768 took
-    2.50 s at 128 rows, 2.32 s at 1024. A chunk's float32 logits are rows x V x 4 bytes (206 MB at
+    needs the rows to grow with D to run near its best (a narrow model is fastest with small chunks, a
+    wide one with large; bench/train.py). A chunk's float32 logits are rows x V x 4 bytes (206 MB at
     1024 rows), three such arrays live at once."""
     return min(1024, 128 * 2 ** max(0, math.ceil(math.log2(D / 128))))
 
@@ -52,8 +51,8 @@ def _head(h: jax.Array, wte: jax.Array, targets: jax.Array, grads: bool, weights
     computed in the same pass.
 
     Each chunk's M = B x C rows are held transposed, logits.T [V, M]: in that orientation XLA's CPU
-    matmuls ran fastest for all three products (logits.T = wte x.T, dx = (d.T).T wte, dwte += d.T x;
-    measured against [M, V], whose dwte product needed d transposed, a copy of [V, M] per chunk), and
+    matmuls run fastest for all three products (logits.T = wte x.T, dx = (d.T).T wte, dwte += d.T x;
+    [M, V] would need d transposed for the dwte product, a copy of [V, M] per chunk), and
     dwte comes out in wte's own layout. The first chunk seeds the dwte sum (no zero [V, D] to write).
     exp is computed once and kept (the barrier): the sum and the gradient both read it."""
     hc, tc, valid, wc = _chunks(h, targets, weights)
