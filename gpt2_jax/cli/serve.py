@@ -36,7 +36,7 @@ def serve_parser(serve: argparse.ArgumentParser, cache_arg) -> None:
         type=int,
         default=None,
         help="the most prompt tokens computed between two decode steps, so running streams keep flowing while "
-        "a long prompt arrives (default: 32, measured by bench/serve.py)",
+        "a long prompt arrives (default: 32; bench/serve.py compares chunk sizes)",
     )
     add(
         "--shutdown-timeout",
