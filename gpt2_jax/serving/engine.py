@@ -130,8 +130,9 @@ class Engine(EnginePrograms):
     def submit(self, request: Request) -> None:
         """Queue a request (validated first: bad input raises here, before it is queued), and ask for the
         programs it needs. QueueFull when every row is busy and max_queue requests wait; Cancelled once the
-        engine is draining or stopped."""
-        request.prepared = self.check(request)
+        engine is draining or stopped. A request a caller already checked keeps its preparation."""
+        if request.prepared is None:
+            request.prepared = self.check(request)
         with self.lock:
             if self.stopped or self.draining:
                 raise Cancelled("the server is shutting down")

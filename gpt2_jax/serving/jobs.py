@@ -316,8 +316,7 @@ class Job:
             for c in self.choices:
                 c.request = Request(plan.prompts[c.prompt_index], plan.sampling, row_key(plan.seed, c.index),
                                     self._callback(c.index), seed=plan.seed)  # fmt: skip
-                if c.index % plan.n == 0:
-                    engine.check(c.request)  # validate each prompt before queueing any row
+                c.request.prepared = engine.check(c.request)  # every row validated before any is queued
             for c in self.choices:
                 engine.submit(c.request)
             if not engine.running:  # stopped while we queued: nobody will answer

@@ -41,7 +41,7 @@ class Request:
     key: Any  # this row's PRNG key (generate's row key: fold_in(request key, row index))
     on_event: Callable[[str, Any], None]
     cancelled: bool = False
-    prepared: Any = None  # generate's preparation of it, made by Engine.submit's check
+    prepared: Any = None  # generate's preparation of it (Engine.check), made once per row
     seed: int | None = None  # informational: the seed the key was made from, when there is one
     arrived: float = dataclasses.field(default_factory=time.perf_counter)
 
