@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gpt2_jax.compiling import pow2_bucket
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import ConfigError, InputError
 from gpt2_jax.generation.decode import Rules, StopRule
@@ -37,7 +38,7 @@ class Batch(NamedTuple):
 
 def bucket(n: int, cap: int) -> int:
     """n rounded up to a power of two (at least MIN_BUCKET), at most cap."""
-    return min(max(MIN_BUCKET, 1 << (n - 1).bit_length()), cap)
+    return min(pow2_bucket(n, MIN_BUCKET), cap)
 
 
 def as_prompts(prompts: Any) -> list[list[int]]:

@@ -14,13 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gpt2_jax.compiling import pow2_bucket
 from gpt2_jax.errors import ConfigError
 from gpt2_jax.sampling.params import RULES, SamplingParams, sampling_rows
 from gpt2_jax.sampling.processors import ProcessorSettings, ProcessorState, apply_processors
-
-
-def bucket(n: int, minimum: int) -> int:
-    return max(minimum, 1 << max(n - 1, 0).bit_length())
 
 
 def _token(t: Any, vocab: int, what: str) -> int:
@@ -34,14 +31,14 @@ def pack_processors(rows: Sequence[SamplingParams], eos: Sequence[int | None]) -
     settings are padded to buckets: logit_bias entries to 16, 32, ...; bad words to 4, 8, ... words of 4, 8,
     ... tokens. As transformers does, the one-token bad word [eos] is dropped (EOS stays possible)."""
     B = len(rows)
-    n = bucket(max((len(r.logit_bias or ()) for r in rows), default=0), 16)
+    n = pow2_bucket(max((len(r.logit_bias or ()) for r in rows), default=0), 16)
     ids, bias = np.zeros((B, n), np.int32), np.zeros((B, n), np.float32)
     for b, r in enumerate(rows):
         for i, (t, x) in enumerate((r.logit_bias or {}).items()):
             ids[b, i], bias[b, i] = t, x
     words = [[list(w) for w in r.bad_words_ids if list(w) != [e]] for r, e in zip(rows, eos)]
-    W = bucket(max(map(len, words), default=0), 4)
-    M = bucket(max((len(w) for row in words for w in row), default=0), 4)
+    W = pow2_bucket(max(map(len, words), default=0), 4)
+    M = pow2_bucket(max((len(w) for row in words for w in row), default=0), 4)
     table, lengths = np.zeros((B, W, M), np.int32), np.zeros((B, W), np.int32)
     for b, row in enumerate(words):
         for i, w in enumerate(row):
@@ -70,7 +67,7 @@ def history_state(prompts: Any, outputs: Any, vocab: int) -> tuple[ProcessorStat
     if len(outputs) != len(prompts):
         raise ConfigError(f"outputs must have one token list per prompt ({len(prompts)}), got {len(outputs)}")
     texts = [list(p) + list(o) for p, o in zip(prompts, outputs)]
-    history = np.zeros((len(texts), bucket(max(map(len, texts)), 16)), np.int32)
+    history = np.zeros((len(texts), pow2_bucket(max(map(len, texts)), 16)), np.int32)
     in_prompt, counts = np.zeros((len(texts), vocab), bool), np.zeros((len(texts), vocab), np.int32)
     for b, (p, o) in enumerate(zip(prompts, outputs)):
         history[b, : len(texts[b])] = [_token(t, vocab, "prompts/outputs") for t in texts[b]]

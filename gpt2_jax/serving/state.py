@@ -15,15 +15,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gpt2_jax.compiling import pow2_bucket
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.generation import init_paged, prepare
 from gpt2_jax.model import Params, float_dtype
 from gpt2_jax.sampling import SamplingParams, constraints
 from gpt2_jax.serving.rows import fit, fixed_processors
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
 
 
 def spec(tree: Any) -> Any:
@@ -38,7 +35,11 @@ class EngineState:
                  max_constraint_states: int, constraint_classes: int):  # fmt: skip
         self.config, self.rows = config, rows
         self.filler = config.eos_id if config.eos_id is not None else 0  # what an idle row emits, never read
-        self.table_shape = (_pow2(rows + 1), _pow2(2 * max_constraint_states + 1), _pow2(constraint_classes))
+        self.table_shape = (
+            pow2_bucket(rows + 1),
+            pow2_bucket(2 * max_constraint_states + 1),
+            pow2_bucket(constraint_classes),
+        )
         prep = prepare(params, config, [[self.filler]] * rows, jax.random.key(0),
                        [SamplingParams(max_new_tokens=1)] * rows)  # fmt: skip
         rules = prep.rules._replace(processors=fixed_processors(prep.rules.processors, rows))
