@@ -16,7 +16,7 @@ speculative/    speculative decoding that keeps plain decoding's tokens
 from gpt2_jax.generation.batching import Prepared, bucket, cache_capacity, prepare
 from gpt2_jax.generation.beam import MAX_BEAMS, BeamResult, BeamSteps, beam_search
 from gpt2_jax.generation.completion import Completion, complete
-from gpt2_jax.generation.decode import TOP_LOGPROBS, DecodeState, Rules, Step, StopRule, decode_step, halt, prefill
+from gpt2_jax.generation.decode import DecodeState, Rules, Step, StopRule, decode_step, halt, prefill
 from gpt2_jax.generation.generator import GenerateResult, encoding, generate, generate_stream, start, token_bytes
 from gpt2_jax.generation.paged import decode_rows, init_paged, prefill_chunk, start_row, stop_rows
 from gpt2_jax.generation.scoring import PromptScores, prompt_logprobs, score_tokens, sequence_logprobs
@@ -24,7 +24,6 @@ from gpt2_jax.generation.stop_strings import StopMatcher
 
 __all__ = [
     "MAX_BEAMS",
-    "TOP_LOGPROBS",
     "BeamResult",
     "BeamSteps",
     "Completion",

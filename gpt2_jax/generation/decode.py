@@ -17,17 +17,15 @@ import jax.numpy as jnp
 
 from gpt2_jax import sampling
 from gpt2_jax.config import GPT2Config
-from gpt2_jax.kernels.invariance import min_rows, pad_rows
 from gpt2_jax.model.axes import constrain, replicate
 from gpt2_jax.model.gpt2 import forward_cached
 from gpt2_jax.model.kv_cache import KVCache, init_cache
 from gpt2_jax.model.params import Params, float_dtype
 from gpt2_jax.sampling import constraints
+from gpt2_jax.sampling.draw import log_probs
 from gpt2_jax.sampling.processors import ProcessorSettings, ProcessorState, apply_processors
 from gpt2_jax.sampling.processors import init_state as init_processor_state
 from gpt2_jax.sampling.processors import update_state as update_processor_state
-
-TOP_LOGPROBS = 20  # R: top logprobs are always computed this wide when asked for, then cut on the host
 
 
 class StopRule(NamedTuple):
@@ -90,9 +88,7 @@ def prefill(
 
 def most_likely(logits: jax.Array, r: int) -> tuple[jax.Array, jax.Array]:
     """Raw logits [B, V] -> the r most likely ids [B, r] and their log-probabilities, rounded alike for 1 row or many."""
-    b, v = logits.shape
-    logp = jax.nn.log_softmax(pad_rows(logits.astype(jnp.float32), min_rows(b, v)), axis=-1)[:b]
-    values, ids = jax.lax.top_k(logp, r)
+    values, ids = jax.lax.top_k(log_probs(logits), r)
     return ids.astype(jnp.int32), values
 
 

@@ -23,11 +23,12 @@ import numpy as np
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import InputError
 from gpt2_jax.generation.batching import as_prompts, bucket
-from gpt2_jax.generation.decode import TOP_LOGPROBS, most_likely
+from gpt2_jax.generation.decode import most_likely
 from gpt2_jax.model.axes import mesh_of, on_mesh
 from gpt2_jax.model.gpt2 import apply
 from gpt2_jax.model.params import Params
 from gpt2_jax.sampling.draw import token_logprobs
+from gpt2_jax.sampling.params import MAX_TOP_LOGPROBS
 
 
 class PromptScores(NamedTuple):
@@ -78,7 +79,7 @@ def prompt_logprobs(params: Params, config: GPT2Config, prompts: Any, top_logpro
     and with top_logprobs = R <= 20 the R most likely ids at each position, as generate reports them."""
     rows = as_prompts(prompts)
     check_rows(rows, config)
-    r = TOP_LOGPROBS if top_logprobs else 0  # one compiled width, cut on the host, as generate does
+    r = MAX_TOP_LOGPROBS if top_logprobs else 0  # one compiled width, cut on the host, as generate does
     with on_mesh(mesh_of(params)):
         picked, ids, values = jax.device_get(_score(params, jnp.asarray(padded_rows(rows, config)), config, r))
     lps = [[None] + picked[b, : len(p) - 1].tolist() for b, p in enumerate(rows)]

@@ -35,9 +35,16 @@ from gpt2_jax.sampling.filters import (
     top_p_mask,
 )  # fmt: skip
 from gpt2_jax.sampling.options import pack_processors, process_logits, processor_settings
-from gpt2_jax.sampling.params import BOUNDS, MAX_STOP_STRINGS, RULES, SamplingParams, sampling_rows
-from gpt2_jax.sampling.processors import (
+from gpt2_jax.sampling.params import (
+    BOUNDS,
     MAX_NGRAM,
+    MAX_STOP_STRINGS,
+    MAX_TOP_LOGPROBS,
+    RULES,
+    SamplingParams,
+    sampling_rows,
+)
+from gpt2_jax.sampling.processors import (
     ProcessorSettings,
     ProcessorState,
     apply_logit_bias,
@@ -57,6 +64,7 @@ __all__ = [
     "GREEDY",
     "MAX_NGRAM",
     "MAX_STOP_STRINGS",
+    "MAX_TOP_LOGPROBS",
     "PLAIN",
     "RULES",
     "WINDOW",

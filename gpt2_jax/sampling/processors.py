@@ -35,7 +35,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-MAX_NGRAM = 16  # the longest n-gram no_repeat_ngram_size may ban (a static window of the history)
+from gpt2_jax.sampling.params import MAX_NGRAM  # the static window of the history that banned n-grams read
 
 
 class ProcessorSettings(NamedTuple):

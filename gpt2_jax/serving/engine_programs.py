@@ -14,7 +14,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gpt2_jax.generation import TOP_LOGPROBS, bucket, decode_rows, prefill_chunk, start_row, stop_rows
+from gpt2_jax.generation import bucket, decode_rows, prefill_chunk, start_row, stop_rows
+from gpt2_jax.sampling import MAX_TOP_LOGPROBS
 from gpt2_jax.serving.programs import Programs
 from gpt2_jax.serving.rows import Request, set_automaton
 
@@ -54,7 +55,7 @@ class EnginePrograms:
             tokens = jax.ShapeDtypeStruct((n,), jnp.int32)
             return lambda: prefill_chunk.lower(params, state, table, tokens, i32, i32, config).compile()
         if kind in ("decode", "decode+top"):
-            r = TOP_LOGPROBS if kind == "decode+top" else 0
+            r = MAX_TOP_LOGPROBS if kind == "decode+top" else 0
             return lambda: decode_rows.lower(params, state, rules, config, n, r).compile()
         if n == "start":
             prompt = jax.ShapeDtypeStruct((self.capacity,), jnp.int32)

@@ -30,7 +30,6 @@ from gpt2_jax.serving.rows import row_key
 from gpt2_jax.serving.schema import ApiError, CompletionRequest
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-MAX_LOGPROBS = 20
 SEED_LIMIT = 2**32  # JAX (without x64) keys on a seed's low 32 bits: larger seeds would collide
 
 
