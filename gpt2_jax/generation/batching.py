@@ -20,9 +20,8 @@ from gpt2_jax.model.attention import KEY_BLOCK
 from gpt2_jax.model.axes import data_size, mesh_of
 from gpt2_jax.model.params import Params
 from gpt2_jax.sampling import constraints
-from gpt2_jax.sampling.options import pack_processors
+from gpt2_jax.sampling.metadata import pack_processors, pack_settings, row_keys
 from gpt2_jax.sampling.params import MAX_STOP_IDS, SamplingParams
-from gpt2_jax.sampling.settings import pack_settings, row_keys
 
 MIN_BUCKET = 16
 

@@ -37,7 +37,7 @@ from gpt2_jax.sampling.filters import (
     top_k_mask,
     top_p_mask,
 )  # fmt: skip
-from gpt2_jax.sampling.settings import RowSettings, row_keys, row_settings
+from gpt2_jax.sampling.metadata import RowSettings, row_keys, row_settings
 
 CANDIDATES = 1024  # C: the window; top_k <= C - 1 always fits it, a top-p nucleus often does
 
