@@ -1,4 +1,5 @@
-"""The engine's rows: a request, the row it holds (Slot), the fixed widths of its rules.
+"""The engine's slots, on the host: a Request (one row to generate), the Slot it holds while it runs (its
+blocks, its prompt's progress), and the fixed widths every row's rules are padded to.
 
 Every per-row setting has a fixed width in the engine (logit_bias entries, bad words, constraint tables), so
 one decode program serves every request; a request that does not fit gets a 400 naming the limit.
