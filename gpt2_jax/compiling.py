@@ -1,8 +1,16 @@
-"""How long JAX spent compiling: tracing, lowering and XLA compiling, summed from jax.monitoring's events."""
+"""Compiling less and knowing what it cost: the power-of-two buckets that shapes are rounded to (so a new
+length rarely compiles a new program), and the time JAX spent tracing, lowering and XLA compiling, summed
+from jax.monitoring's events."""
 
 from __future__ import annotations
 
 import jax
+
+
+def pow2_bucket(n: int, minimum: int = 1) -> int:
+    """The smallest power of two >= max(n, minimum, 1): a shape rounded so that nearby sizes share a program."""
+    return 1 << (max(n, minimum, 1) - 1).bit_length()
+
 
 # JAX's own duration events for the three stages of turning a call into a program.
 _EVENTS = (

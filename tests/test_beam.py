@@ -16,7 +16,7 @@ import gpt2_jax
 from gpt2_jax import ConfigError, SamplingParams
 from gpt2_jax.cli import main
 from gpt2_jax.generation import beam_loop, beam_search
-from gpt2_jax.generation.scoring import sequence_logprobs
+from gpt2_jax.generation.scoring import prompt_logprobs
 from tests.reference import exact_logits, make_hf_model, saved_and_loaded
 
 torch.set_num_threads(1)  # transformers' tiny-model generate is 4-5x faster on one thread of a busy 2-core machine
@@ -180,14 +180,15 @@ def test_the_bundled_model_equals_transformers(bundled):
 
 
 def test_scores_and_logprobs_are_the_tokens_logprobs_bit_for_bit(tiny, grids):
-    """Each hypothesis' logprobs are what scoring.sequence_logprobs (a full forward) gives its tokens, bit for bit,
+    """Each hypothesis' logprobs are what scoring.prompt_logprobs (a full forward) gives its tokens, bit for bit,
     and its score is their float32 sum in order over length ** length_penalty."""
     _, params, config = tiny
     out = grids["tiny", "reachable"]
     for i in (GRID.index((4, False, 2.0)), GRID.index((3, "never", 0.5)), GRID.index((8, True, 1.0))):
         for r in range(GRID[i][0]):
             m, prompt = int(out.lengths[i, r]), PROMPTS[i % 2]
-            ref = np.asarray(sequence_logprobs(params, config, [prompt], [out.tokens[i, r, :m].tolist()]))[0]
+            row = prompt + out.tokens[i, r, :m].tolist()
+            ref = np.asarray(prompt_logprobs(params, config, [row]).logprobs[0][len(prompt) :], np.float32)
             assert (bits(out.logprobs[i, r, :m]) == bits(ref)).all()
             total = np.float32(0)
             for x in ref:

@@ -7,6 +7,7 @@ import pytest
 
 from gpt2_jax import BUNDLED_MODEL, ConfigError, SamplingParams, constraints, generate, load, tokenizer
 from gpt2_jax.serving import Cancelled, Engine, QueueFull, Request
+from gpt2_jax.serving.engine_programs import Decode
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +187,7 @@ def test_warm_up_freezes_the_heap_the_idle_engine_refreezes_and_stop_thaws(model
         warm_up(engine, constrained=False, echo=False)
         assert len(gc.get_objects()) < 10_000 < gc.get_freeze_count()
         built = len(engine.programs.built)
-        engine.programs.wait([("decode+top", 1)] if not engine.want(("decode+top", 1)) else [])
+        engine.programs.wait([Decode(1, top=True)] if not engine.want(Decode(1, top=True)) else [])
         req, rec = request(enc.encode("ROMEO:"), 4, 0, {}, top=2)  # runs the decode step built since warm_up
         engine.submit(req)
         deadline = time.monotonic() + 120
@@ -215,7 +216,7 @@ def test_no_request_stalls_the_others_while_its_programs_or_its_constraint_compi
     engine = Engine(params, config, max_batch=4, max_queue=4, max_seq=256)
     # The essential programs and every decode-step size (so the three streams start together); the larger prompt
     # chunks are left to compile while the test runs.
-    steps = [("decode", r) for r in engine.row_buckets()]
+    steps = [Decode(r) for r in engine.row_buckets()]
     engine.programs.wait([k for k in engine.essential() + steps if not engine.want(k, 0.0)])
     compiler = ConstraintCompiler(timeout=120).start()
     compiles = []  # (thread, event) of every XLA compile from here on

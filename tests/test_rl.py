@@ -84,7 +84,7 @@ def test_rollout_loss_and_every_gradient_match_pytorch(tiny, name):
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 100, n).tolist() for n in (4, 1, 6, 2)]
     comps = [rng.integers(0, 100, n).tolist() for n in (8, 5, 8, 2)]
-    packed = rl.pack(prompts, comps, config, steps=8)
+    packed = rl.pack_completions(prompts, comps, config, steps=8)
     exact = np.asarray(rl.sequence_logprobs(params, config, prompts, comps))
     old = exact - rng.uniform(np.log(0.7), np.log(1.4), exact.shape)  # as if sampled by a slightly older policy
     ref = exact + rng.normal(0, 0.2, exact.shape)

@@ -138,11 +138,11 @@ def test_the_cli_flags_and_the_server_body_map_onto_it(model):
                                       "--min-new-tokens", "2", "--max-new-tokens", "9"])  # fmt: skip
     sp = sampling_params(args)
     assert (sp.temperature, sp.top_k, sp.stop, sp.min_new_tokens, sp.max_new_tokens) == (0.7, 5, ("\n",), 2, 9)
-    from gpt2_jax.serving.jobs import Plan
+    from gpt2_jax.serving.plan import RequestPlan
     from gpt2_jax.serving.schema import CompletionRequest
 
     req = CompletionRequest(model="m", prompt="hi", max_tokens=7, temperature=0.5, top_k=-1, logprobs=3,
                             stop="\n", logit_bias={"13": 2.0}, min_tokens=1)  # fmt: skip
-    sp = Plan._sampling(req, 7, 3)
+    sp = RequestPlan._sampling(req, 7, 3)
     assert sp == SamplingParams(max_new_tokens=7, temperature=0.5, top_k=0, logprobs=True, top_logprobs=3,
                                 stop=("\n",), logit_bias={13: 2.0}, min_new_tokens=1)  # fmt: skip

@@ -233,12 +233,12 @@ def test_best_of_returns_the_n_candidates_with_the_highest_mean_logprob(server, 
 def test_use_beam_search_equals_transformers_beam_search(server, model, tmp_path_factory):
     """use_beam_search with best_of=4 beams, n=2, length_penalty and early_stopping: the two best hypotheses of
     transformers' generate(num_beams=4, ...) on the same weights, token for token, best first; their logprobs are
-    the ones generate would report for those tokens (sequence_logprobs), bit for bit."""
+    the ones generate would report for those tokens (prompt_logprobs of prompt + tokens), bit for bit."""
     import torch
     import transformers
 
     from gpt2_jax import convert
-    from gpt2_jax.generation import sequence_logprobs
+    from gpt2_jax.generation import prompt_logprobs
 
     params, config, enc = model
     hf_path = convert(BUNDLED_MODEL, tmp_path_factory.mktemp("hf") / "m", dtype="float32", to_hf=True)
@@ -259,7 +259,9 @@ def test_use_beam_search_equals_transformers_beam_search(server, model, tmp_path
         lp = got[r]["logprobs"]
         assert lp["tokens"] == [enc.decode([t]) for t in tokens]
         assert got[r]["text"] == enc.decode([t for t in tokens if t != config.eos_id])
-        assert bits(lp["token_logprobs"]) == bits(np.asarray(sequence_logprobs(params, config, [ids], [tokens]))[0])
+        assert bits(lp["token_logprobs"]) == bits(
+            prompt_logprobs(params, config, [ids + tokens]).logprobs[0][len(ids) :]
+        )
     assert got[0]["text"] != greedy.text  # the search found what greedy decoding does not
     assert resp.usage.completion_tokens == sum(len(got[r]["logprobs"]["tokens"]) for r in range(2))
 

@@ -9,22 +9,21 @@ beam_loop.py    its one jitted program: prefill, then a lax.while_loop of beam s
 beam_hyps.py    its bookkeeping in transformers' arithmetic: candidates, running beams, finished hypotheses
 completion.py   complete: text in, text out, cut as OpenAI does
 stop_strings.py stop strings, matched on the host
-scoring.py      prompt_logprobs, sequence_logprobs: given tokens scored as generate reports them
+scoring.py      prompt_logprobs: given tokens scored as generate reports them
 speculative/    speculative decoding that keeps plain decoding's tokens
 """
 
 from gpt2_jax.generation.batching import Prepared, bucket, cache_capacity, prepare
 from gpt2_jax.generation.beam import MAX_BEAMS, BeamResult, BeamSteps, beam_search
 from gpt2_jax.generation.completion import Completion, complete
-from gpt2_jax.generation.decode import TOP_LOGPROBS, DecodeState, Rules, Step, StopRule, decode_step, halt, prefill
+from gpt2_jax.generation.decode import DecodeState, Rules, Step, StopRule, decode_step, halt, prefill
 from gpt2_jax.generation.generator import GenerateResult, encoding, generate, generate_stream, start, token_bytes
 from gpt2_jax.generation.paged import decode_rows, init_paged, prefill_chunk, start_row, stop_rows
-from gpt2_jax.generation.scoring import PromptScores, prompt_logprobs, score_tokens, sequence_logprobs
+from gpt2_jax.generation.scoring import PromptScores, prompt_logprobs, score_tokens
 from gpt2_jax.generation.stop_strings import StopMatcher
 
 __all__ = [
     "MAX_BEAMS",
-    "TOP_LOGPROBS",
     "BeamResult",
     "BeamSteps",
     "Completion",
@@ -52,7 +51,6 @@ __all__ = [
     "prepare",
     "prompt_logprobs",
     "score_tokens",
-    "sequence_logprobs",
     "start",
     "start_row",
     "stop_rows",

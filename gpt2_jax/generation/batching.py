@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gpt2_jax.compiling import pow2_bucket
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import ConfigError, InputError
 from gpt2_jax.generation.decode import Rules, StopRule
@@ -19,9 +20,8 @@ from gpt2_jax.model.attention import KEY_BLOCK
 from gpt2_jax.model.axes import data_size, mesh_of
 from gpt2_jax.model.params import Params
 from gpt2_jax.sampling import constraints
-from gpt2_jax.sampling.options import pack_processors
+from gpt2_jax.sampling.metadata import pack_processors, pack_settings, row_keys
 from gpt2_jax.sampling.params import MAX_STOP_IDS, SamplingParams
-from gpt2_jax.sampling.settings import pack_settings, row_keys
 
 MIN_BUCKET = 16
 
@@ -37,7 +37,7 @@ class Batch(NamedTuple):
 
 def bucket(n: int, cap: int) -> int:
     """n rounded up to a power of two (at least MIN_BUCKET), at most cap."""
-    return min(max(MIN_BUCKET, 1 << (n - 1).bit_length()), cap)
+    return min(pow2_bucket(n, MIN_BUCKET), cap)
 
 
 def as_prompts(prompts: Any) -> list[list[int]]:

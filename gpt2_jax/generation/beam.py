@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from gpt2_jax.compiling import pow2_bucket
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import ConfigError
 from gpt2_jax.generation.batching import as_prompts, prepare
@@ -104,7 +105,7 @@ def _check_rows(rows: list[SamplingParams], sample: list) -> None:
 
 def width(num_beams: list[int]) -> int:
     """W, the beam rows each prompt takes in the cache: the largest num_beams rounded up to a power of two."""
-    return 1 << (max(num_beams) - 1).bit_length()
+    return pow2_bucket(max(num_beams))
 
 
 def beam_rules(beam: dict, rows: list[SamplingParams], config: GPT2Config, steps: int) -> BeamRules:

@@ -28,6 +28,7 @@ from gpt2_jax.generation.decode import DecodeState, Rules, feed, prefill
 from gpt2_jax.kernels.invariance import min_rows, pad_rows
 from gpt2_jax.model.params import Params
 from gpt2_jax.sampling import constraints
+from gpt2_jax.sampling.draw import log_probs
 from gpt2_jax.sampling.processors import apply_processors, update_state
 
 
@@ -46,12 +47,6 @@ class BeamState(NamedTuple):
     open: jax.Array  # [B] bool: the heuristic says the hypotheses may still improve
     done: jax.Array  # [B] bool: the prompt's search has ended (its hypotheses are frozen)
     steps: jax.Array  # [B] int32: steps the prompt's search ran
-
-
-def log_probs(logits: jax.Array) -> jax.Array:
-    """Raw logits [R, V] -> log_softmax [R, V], rounded alike for any row count (as decode's logprobs)."""
-    r, v = logits.shape
-    return jax.nn.log_softmax(pad_rows(logits.astype(jnp.float32), min_rows(r, v)), axis=-1)[:r]
 
 
 def warped(x: jax.Array, settings: sampling.RowSettings, use: jax.Array, n_valid: int) -> jax.Array:

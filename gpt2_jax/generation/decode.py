@@ -17,17 +17,15 @@ import jax.numpy as jnp
 
 from gpt2_jax import sampling
 from gpt2_jax.config import GPT2Config
-from gpt2_jax.kernels.invariance import min_rows, pad_rows
 from gpt2_jax.model.axes import constrain, replicate
 from gpt2_jax.model.gpt2 import forward_cached
 from gpt2_jax.model.kv_cache import KVCache, init_cache
 from gpt2_jax.model.params import Params, float_dtype
 from gpt2_jax.sampling import constraints
+from gpt2_jax.sampling.draw import log_probs
 from gpt2_jax.sampling.processors import ProcessorSettings, ProcessorState, apply_processors
 from gpt2_jax.sampling.processors import init_state as init_processor_state
 from gpt2_jax.sampling.processors import update_state as update_processor_state
-
-TOP_LOGPROBS = 20  # R: top logprobs are always computed this wide when asked for, then cut on the host
 
 
 class StopRule(NamedTuple):
@@ -90,9 +88,7 @@ def prefill(
 
 def most_likely(logits: jax.Array, r: int) -> tuple[jax.Array, jax.Array]:
     """Raw logits [B, V] -> the r most likely ids [B, r] and their log-probabilities, rounded alike for 1 row or many."""
-    b, v = logits.shape
-    logp = jax.nn.log_softmax(pad_rows(logits.astype(jnp.float32), min_rows(b, v)), axis=-1)[:b]
-    values, ids = jax.lax.top_k(logp, r)
+    values, ids = jax.lax.top_k(log_probs(logits), r)
     return ids.astype(jnp.int32), values
 
 
@@ -147,6 +143,19 @@ def decode_step(
     return state._replace(done=replicate(state.done)), replicate(step)
 
 
+def empty_steps(B: int, steps: int, r: int) -> Step:
+    """Steps [B, steps] (top entries [B, steps, r]) of zeros, preallocated for a loop to write in place."""
+    zeros = jnp.zeros((B, steps, r))
+    return Step(jnp.zeros((B, steps), jnp.int32), jnp.zeros((B, steps)), zeros.astype(jnp.int32), zeros)
+
+
+def fill_after(out: Step, fill: jax.Array, made: jax.Array) -> Step:
+    """Steps [B, steps] with every step from made (a scalar, or [B] per row) on holding the row's fill [B]
+    and logprob 0: the steps a loop never drew."""
+    after = jnp.arange(out.token.shape[1])[None, :] >= jnp.reshape(made, (-1, 1))
+    return out._replace(token=jnp.where(after, fill[:, None], out.token), logprob=jnp.where(after, 0.0, out.logprob))
+
+
 def decode_loop(
     params: Params,
     state: DecodeState,
@@ -175,14 +184,9 @@ def decode_loop(
         out = jax.tree.map(lambda o, x: jax.lax.dynamic_update_index_in_dim(o, x, t, axis=1), out, s)
         return t + 1, feed(params, state, s.token, config, hooks), out
 
-    out = Step(jnp.zeros((B, steps), jnp.int32), jnp.zeros((B, steps)), jnp.zeros((B, steps, r), jnp.int32),
-               jnp.zeros((B, steps, r)))  # fmt: skip
+    out = empty_steps(B, steps, r)
     t, state, out = jax.lax.while_loop(running, step, (jnp.zeros((), jnp.int32), state, out))
-    after = jnp.arange(steps)[None, :] >= t  # steps never drawn because every row had stopped
-    out = out._replace(
-        token=jnp.where(after, state.fill[:, None], out.token), logprob=jnp.where(after, 0.0, out.logprob)
-    )
-    return state, out, t
+    return state, fill_after(out, state.fill, t), t  # steps never drawn because every row had stopped
 
 
 @functools.partial(jax.jit, static_argnames=("config", "steps", "r", "hooks"), donate_argnames=("state",))

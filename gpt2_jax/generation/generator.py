@@ -23,13 +23,13 @@ import numpy as np
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import ConfigError
 from gpt2_jax.generation.batching import Prepared, as_prompts, prepare
-from gpt2_jax.generation.decode import TOP_LOGPROBS, decode_chunk, decode_step, halt, prefill
+from gpt2_jax.generation.decode import decode_chunk, decode_step, halt, prefill
 from gpt2_jax.generation.speculative import Speculator
 from gpt2_jax.generation.speculative.stream import stream_rounds
 from gpt2_jax.generation.stop_strings import StopHit, StopMatcher
 from gpt2_jax.model.axes import on_mesh
 from gpt2_jax.model.params import Params
-from gpt2_jax.sampling.params import SamplingParams, sampling_rows
+from gpt2_jax.sampling.params import MAX_TOP_LOGPROBS, SamplingParams, sampling_rows
 
 DECODE_CHUNK = 16  # steps per jitted call when stop strings are checked on the host
 _generate = decode_chunk  # the jitted decode loop (tests count its compiles)
@@ -91,7 +91,7 @@ def generate(
     n = int(prep.max_new_tokens.max())
     spec = None if draft is None else _speculator(params, config, prep, draft, num_speculative_tokens, n)
     with on_mesh(prep.mesh):
-        out, generated, done, hits = _decode(params, config, prep, n, tokenizer, TOP_LOGPROBS if r else 0, spec)
+        out, generated, done, hits = _decode(params, config, prep, n, tokenizer, MAX_TOP_LOGPROBS if r else 0, spec)
     toks, logprobs = np.asarray(out.token)[:B, :n].copy(), np.asarray(out.logprob)[:B, :n].copy()
     generated, done = np.asarray(generated)[:B], np.asarray(done)[:B]
     eos = np.asarray(prep.rules.stop.eos_id)[:B]

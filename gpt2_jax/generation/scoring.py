@@ -4,9 +4,9 @@ A token's logprob is log_softmax(logits)[token] under the raw logits (no process
 computed by the same `token_logprobs` a decode step runs, on logits that equal a decode step's bit for bit
 (the model's prefill/decode invariance: a full forward over a sequence gives each position the logits a
 cached step gives it). So `prompt_logprobs` of a prompt is what `generate` would have reported had it sampled
-those tokens (lm-evaluation-harness's loglikelihood requests, echo with logprobs), and `sequence_logprobs`
-of sampled completions is what `generate` returned when it sampled them (exactly on-policy RL). Both are
-differentiable in params (jax.grad flows through the kernels' custom VJPs).
+those tokens (lm-evaluation-harness's loglikelihood requests, echo with logprobs). The same logprobs of
+sampled completions, still those bits under jax.grad, are gpt2_jax.rl.sequence_logprobs (which builds on
+check_rows and padded_rows here).
 
 Shape legend: B rows, T positions (bucketed), N completion tokens, R top entries, V vocab.
 """
@@ -23,11 +23,12 @@ import numpy as np
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import InputError
 from gpt2_jax.generation.batching import as_prompts, bucket
-from gpt2_jax.generation.decode import TOP_LOGPROBS, most_likely
+from gpt2_jax.generation.decode import most_likely
 from gpt2_jax.model.axes import mesh_of, on_mesh
 from gpt2_jax.model.gpt2 import apply
 from gpt2_jax.model.params import Params
 from gpt2_jax.sampling.draw import token_logprobs
+from gpt2_jax.sampling.params import MAX_TOP_LOGPROBS
 
 
 class PromptScores(NamedTuple):
@@ -78,7 +79,7 @@ def prompt_logprobs(params: Params, config: GPT2Config, prompts: Any, top_logpro
     and with top_logprobs = R <= 20 the R most likely ids at each position, as generate reports them."""
     rows = as_prompts(prompts)
     check_rows(rows, config)
-    r = TOP_LOGPROBS if top_logprobs else 0  # one compiled width, cut on the host, as generate does
+    r = MAX_TOP_LOGPROBS if top_logprobs else 0  # one compiled width, cut on the host, as generate does
     with on_mesh(mesh_of(params)):
         picked, ids, values = jax.device_get(_score(params, jnp.asarray(padded_rows(rows, config)), config, r))
     lps = [[None] + picked[b, : len(p) - 1].tolist() for b, p in enumerate(rows)]
@@ -87,24 +88,3 @@ def prompt_logprobs(params: Params, config: GPT2Config, prompts: Any, top_logpro
     top_ids = [[None] + ids[b, : len(p) - 1, :top_logprobs].tolist() for b, p in enumerate(rows)]
     top_lps = [[None] + values[b, : len(p) - 1, :top_logprobs].tolist() for b, p in enumerate(rows)]
     return PromptScores(lps, top_ids, top_lps)
-
-
-def sequence_logprobs(params: Params, config: GPT2Config, prompts: Any, completions: Any) -> jax.Array:
-    """The log-probability of each completion token after its prompt -> [B, N] float32 (N: the longest
-    completion; 0 past a row's end), bit for bit the logprobs generate returned when it sampled them, whatever
-    the batch, its order, padding or bucket. Differentiable in params; traceable inside a caller's jit when
-    prompts and completions are host lists (their lengths set the shapes)."""
-    prompts, completions = as_prompts(prompts), [list(map(int, c)) for c in completions]
-    if len(prompts) != len(completions):
-        raise InputError(f"{len(prompts)} prompts but {len(completions)} completions")
-    rows = [p + c for p, c in zip(prompts, completions)]
-    check_rows(rows, config)
-    N = max(map(len, completions), default=0)
-    if N == 0:
-        return jnp.zeros((len(rows), 0), jnp.float32)
-    tokens = jnp.asarray(padded_rows(rows, config))
-    picked = _score(params, tokens, config, 0)[0]  # [B, T-1]: position t predicts token t + 1 (jitted, as decode is)
-    start = np.array([len(p) - 1 for p in prompts])  # the position that predicts each completion's first token
-    index = np.minimum(start[:, None] + np.arange(N)[None, :], tokens.shape[1] - 2)
-    real = np.arange(N)[None, :] < np.array([len(c) for c in completions])[:, None]
-    return jnp.where(real, jnp.take_along_axis(picked, jnp.asarray(index), axis=1), 0.0)

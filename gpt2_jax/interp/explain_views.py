@@ -25,11 +25,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gpt2_jax.compiling import pow2_bucket
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import InputError
 from gpt2_jax.interp._explain_run import EVERY_LAYER, explain_forward
 from gpt2_jax.interp.lens import direct_logit_attribution, head_attribution, logit_lens
-from gpt2_jax.sampling.options import bucket
 from gpt2_jax.tokenizer import tokenizer
 
 MIN_BUCKET = 16  # the smallest padded prompt length
@@ -78,7 +78,7 @@ def check_layer(layer: Any, config: GPT2Config) -> int:
 
 def padded(ids: list[int], config: GPT2Config) -> np.ndarray:
     """ids -> [1, bucket] int32, right-padded with copies of the last token (never token 0)."""
-    size = min(bucket(len(ids), MIN_BUCKET), config.n_positions)
+    size = min(pow2_bucket(len(ids), MIN_BUCKET), config.n_positions)
     return np.asarray([ids + [ids[-1]] * (size - len(ids))], np.int32)
 
 
@@ -164,7 +164,7 @@ def lens_view(params, out: dict, config: GPT2Config) -> dict:
     resid = np.concatenate([out["all.hook_resid_pre"], out["all.hook_resid_post"][-1:]])  # [L + 1, 1, T, D]
     ids, probs = [], []
     T = resid.shape[2]
-    size = min(bucket(T, MIN_BUCKET), config.n_positions)  # the bucket's length: a new T compiles nothing
+    size = min(pow2_bucket(T, MIN_BUCKET), config.n_positions)  # the bucket's length: a new T compiles nothing
     for depth in resid:  # one depth at a time bounds the [T, V] logits held at once
         logits = _lens_logits(params, jnp.asarray(np.pad(depth[0], ((0, size - T), (0, 0)), mode="edge")), config)
         # each position's softmax over its own row [V]: a softmax over [T, V] sums a row in an order that

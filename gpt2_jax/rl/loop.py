@@ -36,7 +36,7 @@ from gpt2_jax.model.params import Params, check_trainable, float_dtype, stack_la
 from gpt2_jax.rl.objective import Objective, group_advantages
 from gpt2_jax.rl.plots import plot_rewards
 from gpt2_jax.rl.rewards import Reward, score
-from gpt2_jax.rl.scoring import pack
+from gpt2_jax.rl.scoring import pack_completions
 from gpt2_jax.rl.step import Rollout, make_grpo_step, reference_logprobs
 from gpt2_jax.sampling import SamplingParams
 from gpt2_jax.training import Hyper, init_state, make_optimizer
@@ -238,7 +238,7 @@ class _Run:
         )
         rewards = score(self.reward, [self.texts[i] for i in chosen for _ in range(self.G)], comp_texts)
         advantages = group_advantages(rewards.reshape(self.P, self.G)).reshape(-1)
-        packed = pack([p for p in ids for _ in range(self.G)], completions, self.config, length=self.length,
+        packed = pack_completions([p for p in ids for _ in range(self.G)], completions, self.config, length=self.length,
                       steps=self.sampling.max_new_tokens)  # fmt: skip
         tokens, index = jnp.asarray(packed.tokens), jnp.asarray(packed.index)
         ref_lp = reference_logprobs(ref, tokens, index, self.config)

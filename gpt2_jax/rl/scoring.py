@@ -39,7 +39,7 @@ from gpt2_jax.training.loss_head import weighted_head_loss
 from gpt2_jax.training.step import TRAIN_UNROLL
 
 
-class Packed(NamedTuple):
+class CompletionBatch(NamedTuple):
     """Prompts and completions as the trainer's arrays."""
 
     tokens: np.ndarray  # [B, T] int32: prompt then completion, right-padded with the row's last token
@@ -47,8 +47,10 @@ class Packed(NamedTuple):
     mask: np.ndarray  # [B, N] bool: completion token n is real (not past the row's end)
 
 
-def pack(prompts: Any, completions: Any, config: GPT2Config, *, length: int = 0, steps: int = 0) -> Packed:
-    """Host lists -> Packed arrays. T is the bucket of the longest row (at least `length`), N the longest
+def pack_completions(
+    prompts: Any, completions: Any, config: GPT2Config, *, length: int = 0, steps: int = 0
+) -> CompletionBatch:
+    """Host lists -> CompletionBatch arrays. T is the bucket of the longest row (at least `length`), N the longest
     completion (at least `steps`): a loop that passes the same length and steps every time compiles once."""
     prompts, completions = as_prompts(prompts), [[int(t) for t in c] for c in completions]
     if len(prompts) != len(completions):
@@ -60,7 +62,7 @@ def pack(prompts: Any, completions: Any, config: GPT2Config, *, length: int = 0,
     start = np.array([len(p) - 1 for p in prompts])  # the position that predicts each completion's first token
     index = np.minimum(start[:, None] + np.arange(N)[None, :], tokens.shape[1] - 2).astype(np.int32)
     mask = np.arange(N)[None, :] < np.array([len(c) for c in completions])[:, None]
-    return Packed(tokens, index, mask)
+    return CompletionBatch(tokens, index, mask)
 
 
 def _forward(params: Params, tokens: jax.Array, index: jax.Array, config: GPT2Config) -> jax.Array:
@@ -76,7 +78,7 @@ def _forward(params: Params, tokens: jax.Array, index: jax.Array, config: GPT2Co
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def completion_logprobs(params: Params, tokens: jax.Array, index: jax.Array, config: GPT2Config) -> jax.Array:
-    """[B, T] tokens, [B, N] positions (Packed's) -> [B, N] float32 logprobs, the sampler's bits whether or not
+    """[B, T] tokens, [B, N] positions (CompletionBatch's) -> [B, N] float32 logprobs, the sampler's bits whether or not
     they are differentiated (see the module docstring). Unjitted, for a caller's jit or grad; past a row's end
     the values are those of a clamped position (mask them)."""
     return _forward(params, tokens, index, config)
@@ -118,8 +120,8 @@ def sequence_logprobs(params: Params, config: GPT2Config, prompts: Any, completi
     completion; 0 past a row's end): bit for bit the logprobs generate returned when it sampled them, whatever
     the batch, its order, padding or bucket, and still those bits when differentiated (jax.grad flows through
     it, in params)."""
-    packed = pack(prompts, completions, config)
-    if packed.mask.shape[1] == 0:
-        return jnp.zeros((len(packed.tokens), 0), jnp.float32)
+    batch = pack_completions(prompts, completions, config)
+    if batch.mask.shape[1] == 0:
+        return jnp.zeros((len(batch.tokens), 0), jnp.float32)
     with on_mesh(mesh_of(params)):
-        return _masked_logprobs(params, *map(jnp.asarray, packed), config)
+        return _masked_logprobs(params, *map(jnp.asarray, batch), config)

@@ -25,7 +25,7 @@ from gpt2_jax.training import TrainState
 
 
 class Rollout(NamedTuple):
-    """A batch of sampled completions, ready for the trainer (see gpt2_jax.rl.scoring.Packed)."""
+    """A batch of sampled completions, ready for the trainer (see gpt2_jax.rl.scoring.CompletionBatch)."""
 
     tokens: jax.Array  # [B, T] int32
     index: jax.Array  # [B, N] int32

@@ -2,9 +2,9 @@
 then one keyed draw per row; and constrained decoding.
 
   params.py      SamplingParams: everything one request sets, checked in one place
-  processors.py  the logits processors (bias, penalties, banned n-grams/words, min new tokens) and their order
-  options.py     their per-row packing from SamplingParams; process_logits
-  settings.py    RowSettings (the warpers, one traced value per row), row keys
+  metadata.py    what is packed per row: RowSettings (the warpers), ProcessorSettings, row keys
+  processors.py  the logits processors (bias, penalties, banned n-grams/words, min new tokens), their order;
+                 process_logits
   filters.py     the reference: apply_temperature, top_k_mask, top_p_mask, filter_logits, next_token_probs
   draw.py        the fast per-row programs (reusing those masks) and the path-independent inverse-CDF draw
   constraints/   regex / choice / JSON schema -> a token automaton -> device tables
@@ -34,11 +34,26 @@ from gpt2_jax.sampling.filters import (
     top_k_mask,
     top_p_mask,
 )  # fmt: skip
-from gpt2_jax.sampling.options import pack_processors, process_logits, processor_settings
-from gpt2_jax.sampling.params import BOUNDS, MAX_STOP_STRINGS, RULES, SamplingParams, sampling_rows
-from gpt2_jax.sampling.processors import (
-    MAX_NGRAM,
+from gpt2_jax.sampling.metadata import (
     ProcessorSettings,
+    RowSettings,
+    check_sampling_args,
+    pack_processors,
+    pack_settings,
+    processor_settings,
+    row_keys,
+    row_settings,
+)  # fmt: skip
+from gpt2_jax.sampling.params import (
+    BOUNDS,
+    MAX_NGRAM,
+    MAX_STOP_STRINGS,
+    MAX_TOP_LOGPROBS,
+    RULES,
+    SamplingParams,
+    sampling_rows,
+)
+from gpt2_jax.sampling.processors import (
     ProcessorState,
     apply_logit_bias,
     apply_presence_frequency,
@@ -46,9 +61,9 @@ from gpt2_jax.sampling.processors import (
     apply_repetition_penalty,
     bad_word_tokens,
     early_stop_tokens,
+    process_logits,
     repeated_ngrams,
 )  # fmt: skip
-from gpt2_jax.sampling.settings import RowSettings, check_sampling_args, pack_settings, row_keys, row_settings
 
 __all__ = [
     "BOUNDS",
@@ -57,6 +72,7 @@ __all__ = [
     "GREEDY",
     "MAX_NGRAM",
     "MAX_STOP_STRINGS",
+    "MAX_TOP_LOGPROBS",
     "PLAIN",
     "RULES",
     "WINDOW",

@@ -37,7 +37,7 @@ from gpt2_jax.sampling.filters import (
     top_k_mask,
     top_p_mask,
 )  # fmt: skip
-from gpt2_jax.sampling.settings import RowSettings, row_keys, row_settings
+from gpt2_jax.sampling.metadata import RowSettings, row_keys, row_settings
 
 CANDIDATES = 1024  # C: the window; top_k <= C - 1 always fits it, a top-p nucleus often does
 
@@ -152,11 +152,16 @@ def sample_rows(keys: jax.Array, logits: jax.Array, settings: RowSettings, n_val
     return token[:b].astype(jnp.int32)
 
 
+def log_probs(logits: jax.Array) -> jax.Array:
+    """Raw logits [B, V] -> log_softmax [B, V] float32, rounded alike for 1 row or many (the rows are padded
+    to the reduction's large-input path, see gpt2_jax.kernels.invariance)."""
+    b, v = logits.shape
+    return jax.nn.log_softmax(pad_rows(logits.astype(jnp.float32), min_rows(b, v)), axis=-1)[:b]
+
+
 def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
     """log p(token) [B] under the raw logits [B, V] (no temperature or filters), rounded alike for 1 row or many."""
-    b, v = logits.shape
-    logp = jax.nn.log_softmax(pad_rows(logits.astype(jnp.float32), min_rows(b, v)), axis=-1)[:b]
-    return jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    return jnp.take_along_axis(log_probs(logits), tokens[:, None], axis=-1)[:, 0]
 
 
 @functools.partial(jax.jit, static_argnames="n_valid")

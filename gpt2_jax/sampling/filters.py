@@ -19,8 +19,8 @@ import jax.numpy as jnp
 
 from gpt2_jax import kernels
 from gpt2_jax.errors import ConfigError, InputError
-from gpt2_jax.sampling.options import process_logits
-from gpt2_jax.sampling.settings import RowSettings, row_settings
+from gpt2_jax.sampling.metadata import RowSettings, row_settings
+from gpt2_jax.sampling.processors import process_logits
 
 
 def _two_sum(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -175,7 +175,7 @@ def next_token_probs(
 ) -> jax.Array:
     """[B, V] logits -> [B, V] float32: the exact distribution `sample` draws each row from. With
     processors (generate's repetition_penalty, logit_bias, ...), prompts [B] and outputs [B] (token-id
-    lists) give each row's text so far, and the logits are processed first (gpt2_jax.sampling.options.process_logits)."""
+    lists) give each row's text so far, and the logits are processed first (gpt2_jax.sampling.processors.process_logits)."""
     logits = jnp.asarray(logits)
     check_logits(logits, n_valid)
     if processors or prompts is not None:

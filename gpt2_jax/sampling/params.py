@@ -20,7 +20,7 @@ import numpy as np
 from gpt2_jax.errors import ConfigError
 
 MAX_NGRAM = 16  # the longest n-gram no_repeat_ngram_size may ban (a static window of the decode loop)
-MAX_TOP_LOGPROBS = 20
+MAX_TOP_LOGPROBS = 20  # R: top logprobs are computed this wide whenever asked for, then cut on the host
 MAX_STOP_IDS = 8  # stop ids are padded to this count, so their number never changes a shape
 MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS = 300  # entries per row, as OpenAI's API allows

@@ -22,7 +22,8 @@ min-p before top-k/top-p, transformers (and we) after top-p.
 Every setting is one traced value per row, and a row whose settings are off (bias 0, theta 1,
 penalties 0, n 0, no words, 0 min tokens, no constraint) gets its logits back bit for bit, so
 rows never affect each other. The state the processors read (the token history, output counts)
-is carried in the decode loop as a ProcessorState.
+is carried in the decode loop as a ProcessorState. process_logits runs them alone, outside the loop,
+on token lists (the settings packed per row by gpt2_jax.sampling.metadata).
 
 Shape legend: B batch, V vocab, S cache slots (positions), W banned words, M tokens per word,
 N logit-bias entries.
@@ -30,26 +31,16 @@ N logit-bias entries.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-MAX_NGRAM = 16  # the longest n-gram no_repeat_ngram_size may ban (a static window of the history)
-
-
-class ProcessorSettings(NamedTuple):
-    """Per-row processor settings, all traced (see gpt2_jax.sampling.options for validation)."""
-
-    bias_ids: jax.Array  # [B, N] int32 token ids of logit_bias (unused entries: id 0, bias 0)
-    bias: jax.Array  # [B, N] float32
-    repetition_penalty: jax.Array  # [B] float32 theta; 1 = off
-    frequency_penalty: jax.Array  # [B] float32; 0 = off
-    presence_penalty: jax.Array  # [B] float32; 0 = off
-    no_repeat_ngram_size: jax.Array  # [B] int32 n; 0 = off
-    bad_words: jax.Array  # [B, W, M] int32 token sequences, left-aligned
-    bad_word_lengths: jax.Array  # [B, W] int32; 0 = unused slot
-    min_new_tokens: jax.Array  # [B] int32; 0 = off
+from gpt2_jax.compiling import pow2_bucket
+from gpt2_jax.errors import ConfigError
+from gpt2_jax.sampling.metadata import ProcessorSettings, processor_settings
+from gpt2_jax.sampling.params import MAX_NGRAM  # the static window of the history that banned n-grams read
 
 
 class ProcessorState(NamedTuple):
@@ -204,3 +195,43 @@ def update_state(state: ProcessorState, token: jax.Array, length: jax.Array, liv
     history = state.history.at[rows, jnp.where(live, length, s)].set(token, mode="drop")
     counts = state.counts.at[rows, jnp.where(live, token, v)].add(1, mode="drop")
     return state._replace(history=history, counts=counts)
+
+
+def _token(t: Any, vocab: int, what: str) -> int:
+    if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= t < vocab:
+        raise ConfigError(f"{what}: token id {t!r} must be an int in [0, {vocab})")
+    return int(t)
+
+
+def history_state(prompts: Any, outputs: Any, vocab: int) -> tuple[ProcessorState, np.ndarray, np.ndarray]:
+    """Token lists per row: prompts and the outputs generated after them -> (ProcessorState, text lengths
+    [B], output lengths [B]), as the decode loop holds them before its next draw."""
+    outputs = [[] for _ in prompts] if outputs is None else outputs
+    if len(outputs) != len(prompts):
+        raise ConfigError(f"outputs must have one token list per prompt ({len(prompts)}), got {len(outputs)}")
+    texts = [list(p) + list(o) for p, o in zip(prompts, outputs)]
+    history = np.zeros((len(texts), pow2_bucket(max(map(len, texts)), 16)), np.int32)
+    in_prompt, counts = np.zeros((len(texts), vocab), bool), np.zeros((len(texts), vocab), np.int32)
+    for b, (p, o) in enumerate(zip(prompts, outputs)):
+        history[b, : len(texts[b])] = [_token(t, vocab, "prompts/outputs") for t in texts[b]]
+        in_prompt[b, list(p)] = True
+        np.add.at(counts[b], list(o), 1)
+    return (ProcessorState(history, in_prompt, counts), np.array(list(map(len, texts)), np.int32),
+            np.array(list(map(len, outputs)), np.int32))  # fmt: skip
+
+
+_process_jit = jax.jit(apply_processors)
+
+
+def process_logits(
+    logits: Any, *, prompts: Any, outputs: Any = None, eos_id: int | None = None, stop_ids: Any = (), **processors: Any
+) -> jax.Array:
+    """The processors alone, outside the decode loop: raw logits [B, V] for the next token after each row's
+    prompt + outputs (token-id lists) -> processed logits [B, V] (-inf where banned). The same function
+    (apply_processors) the loop runs; the settings are generate's."""
+    logits = jnp.asarray(logits)
+    b, v = logits.shape
+    p = processor_settings(b, v, eos_id, **processors)
+    state, length, generated = history_state(prompts, outputs, v)
+    stops = np.array([-1 if eos_id is None else eos_id, *stop_ids], np.int32)
+    return _process_jit(logits, p, state, length, generated, np.broadcast_to(stops, (b, len(stops))))

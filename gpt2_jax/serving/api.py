@@ -4,7 +4,8 @@
 
 `create_app(engine, tokenizer, model_name)` returns a FastAPI app; `gpt2-jax serve` runs it with uvicorn;
 `serving.warmup` compiles what requests will run. The parts: schema.py (request bodies, OpenAI-shaped
-errors), completions.py (the completions endpoint), jobs.py (one request's rows, events and text),
+errors), completions.py (the completions endpoint), plan.py (the request mapped onto the engine's rows),
+choices.py (each choice's streamed text and logprobs, the job in flight),
 metrics.py (/metrics), openapi.py (the schema clients and fuzzers read), static/ (the playground).
 
 The engine reports on its own thread; each callback hands its event to the request's asyncio queue with

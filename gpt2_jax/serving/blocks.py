@@ -24,7 +24,7 @@ import numpy as np
 from gpt2_jax.model import NULL_BLOCK
 
 
-class Plan(NamedTuple):
+class BlockPlan(NamedTuple):
     """What admitting a request would take: its cached leading blocks and how many fresh ones."""
 
     reused: list[int]  # blocks of the pool holding the prompt's first len(reused) x C tokens
@@ -58,8 +58,8 @@ class BlockPool:
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.C)
 
-    def plan(self, prompt: list[int], tokens: int) -> Plan | None:
-        """A request of `tokens` slots (prompt + max_tokens, capped at its table) -> its Plan, or None if the pool
+    def plan(self, prompt: list[int], tokens: int) -> BlockPlan | None:
+        """A request of `tokens` slots (prompt + max_tokens, capped at its table) -> its BlockPlan, or None if the pool
         cannot hold it now (it waits for blocks to come free)."""
         names = block_names(prompt, self.C)
         reused = []
@@ -72,15 +72,15 @@ class BlockPool:
         taken_idle = sum(b in self.idle for b in reused)
         if fresh > len(self.free) + len(self.idle) - taken_idle:
             return None
-        return Plan(reused, fresh, names)
+        return BlockPlan(reused, fresh, names)
 
-    def waits_for(self, plan: Plan, prompt_len: int) -> bool:
+    def waits_for(self, plan: BlockPlan, prompt_len: int) -> bool:
         """Whether the request's next block is being computed by another request right now: waiting for it (a
         chunk or two) beats computing it twice (n choices of one prompt, the same preamble arriving together)."""
         j = len(plan.reused)
         return j < (prompt_len - 1) // self.C and plan.names[j] in self.computing
 
-    def take(self, plan: Plan, prompt_len: int) -> list[int]:
+    def take(self, plan: BlockPlan, prompt_len: int) -> list[int]:
         """Hand out a plan's blocks -> the row's blocks, in slot order (the reused ones first)."""
         self.queried += prompt_len
         self.hits += len(plan.reused) * self.C

@@ -17,10 +17,11 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
+from gpt2_jax.serving.choices import Choice, EventStream, Job, prompt_logprobs
 from gpt2_jax.serving.engine import Engine
-from gpt2_jax.serving.jobs import Choice, EventStream, Job, Plan, prompt_logprobs
 from gpt2_jax.serving.limits import Budget, Limits
 from gpt2_jax.serving.metrics import Metrics
+from gpt2_jax.serving.plan import RequestPlan
 from gpt2_jax.serving.schema import ApiError, CompletionRequest, from_gpt2_jax, from_validation
 
 
@@ -53,7 +54,7 @@ class Completions:
             if self.stopping() or not engine.running:
                 raise ApiError(503, "the server is shutting down", code="shutting_down")
             loop = asyncio.get_running_loop()
-            plan = await loop.run_in_executor(None, Plan, req, engine, self.enc, self.compiler,
+            plan = await loop.run_in_executor(None, RequestPlan, req, engine, self.enc, self.compiler,
                                               self.limits.max_beam_tokens)  # fmt: skip
             job = Job(rid, plan, self.enc, config.eos_id, self.metrics, t0)
             if plan.echo and plan.top_n is not None:

@@ -33,12 +33,12 @@ from gpt2_jax.errors import ConfigError, InputError
 from gpt2_jax.generation import StopMatcher, bucket, prepare, token_bytes
 from gpt2_jax.model import KEY_BLOCK, Params
 from gpt2_jax.sampling import constraints
+from gpt2_jax.serving.batch import DeviceBatch
 from gpt2_jax.serving.blocks import BlockPool
-from gpt2_jax.serving.engine_programs import EnginePrograms
+from gpt2_jax.serving.engine_programs import SET_AUTOMATON, START_ROW, STOP_ROWS, EnginePrograms, Prefill
 from gpt2_jax.serving.memory import freeze_heap, release_free_memory, thaw_heap
-from gpt2_jax.serving.rows import Cancelled, QueueFull, Request, Slot, fixed_processors
-from gpt2_jax.serving.rows import tell as _tell
-from gpt2_jax.serving.state import EngineState
+from gpt2_jax.serving.slots import Cancelled, QueueFull, Request, Slot, fixed_processors
+from gpt2_jax.serving.slots import tell as _tell
 
 __all__ = ["Cancelled", "Engine", "QueueFull", "Request"]
 
@@ -95,8 +95,8 @@ class Engine(EnginePrograms):
     def _reset(self) -> None:
         """Every row free, every block free, the prefix cache empty."""
         self.pool = BlockPool(self.num_blocks, KEY_BLOCK)
-        self.rows = EngineState(self.params, self.config, self.max_batch, self.num_blocks, self.blocks_per_row,
-                                self.max_constraint_states, self.constraint_classes)  # fmt: skip
+        self.batch = DeviceBatch(self.params, self.config, self.max_batch, self.num_blocks, self.blocks_per_row,
+                                 self.max_constraint_states, self.constraint_classes)  # fmt: skip
 
     # ---- requests ------------------------------------------------------------------------------
     def check(self, request: Request) -> Any:
@@ -117,7 +117,7 @@ class Engine(EnginePrograms):
                                   f"most {self.max_constraint_states} states and {self.constraint_classes} classes "
                                   f"(--max-constraint-states, --constraint-classes)")  # fmt: skip
         # generate's constraint tables for this one row (G x V: 400 KB even unconstrained) are not the engine's,
-        # whose rows share one fixed set (state.py): kept for the request's lifetime they would leave long-lived
+        # whose rows share one fixed set (batch.py): kept for the request's lifetime they would leave long-lived
         # buffers of many sizes all through the heap, which is what made RSS creep (serving/memory.py).
         return prep._replace(rules=prep.rules._replace(constraint=None))
 
@@ -130,8 +130,9 @@ class Engine(EnginePrograms):
     def submit(self, request: Request) -> None:
         """Queue a request (validated first: bad input raises here, before it is queued), and ask for the
         programs it needs. QueueFull when every row is busy and max_queue requests wait; Cancelled once the
-        engine is draining or stopped."""
-        request.prepared = self.check(request)
+        engine is draining or stopped. A request a caller already checked keeps its preparation."""
+        if request.prepared is None:
+            request.prepared = self.check(request)
         with self.lock:
             if self.stopped or self.draining:
                 raise Cancelled("the server is shutting down")
@@ -166,7 +167,7 @@ class Engine(EnginePrograms):
                     continue
                 automaton = self._automaton(request)
                 held = [s.automaton for s in self.slots if s is not None]
-                if automaton is not None and not self.rows.fits(held, automaton):
+                if automaton is not None and not self.batch.fits(held, automaton):
                     continue  # waits for room in the constraint tables
                 n = len(request.prompt)
                 plan = self.pool.plan(request.prompt, min(n + request.sampling.max_new_tokens, self.capacity))
@@ -185,14 +186,14 @@ class Engine(EnginePrograms):
             _tell(request, "error", Cancelled("cancelled before it started"))
         for b in admitted:
             slot = self.slots[b]
-            self.rows.set_row(b, slot.request.prepared.rules)
+            self.batch.set_row(b, slot.request.prepared.rules)
             if slot.automaton is not None:
                 self._repack()
 
     def _repack(self) -> None:
         decoding = np.array([s is not None and s.decoding for s in self.slots])
-        self.rows.repack([s.automaton if s is not None else None for s in self.slots], decoding,
-                         self.program(("row", "automaton")))  # fmt: skip
+        self.batch.repack([s.automaton if s is not None else None for s in self.slots], decoding,
+                          self.program(SET_AUTOMATON))  # fmt: skip
 
     def _table(self, slot: Slot) -> np.ndarray:
         table = np.zeros(self.blocks_per_row, np.int32)  # NULL_BLOCK past the row's blocks
@@ -211,8 +212,8 @@ class Engine(EnginePrograms):
         tokens = np.full(bucket(n, self.prefill_chunk), prompt[start + n - 1], np.int32)  # padding: a real token
         tokens[:n] = prompt[start : start + n]
         table = self._table(slot)
-        run = self.program(("prefill", len(tokens)))
-        self.rows.state, logits = run(self.params, self.rows.state, table, tokens, np.int32(start), np.int32(n - 1))
+        run = self.program(Prefill(len(tokens)))
+        self.batch.state, logits = run(self.params, self.batch.state, table, tokens, np.int32(start), np.int32(n - 1))
         slot.prefilled += n
         self.prefill_tokens += n
         self.pool.register(slot.blocks, slot.names, min(slot.prefilled // KEY_BLOCK, len(slot.names)))
@@ -220,9 +221,9 @@ class Engine(EnginePrograms):
             padded = np.full(self.capacity, prompt[-1], np.int32)
             padded[: len(prompt)] = prompt
             key = slot.request.prepared.batch.keys[0]
-            self.rows.state = self.program(("row", "start"))(
-                self.rows.state, np.int32(b), table, padded, np.int32(len(prompt)), logits, key,
-                np.int32(self.rows.start_state(b)),
+            self.batch.state = self.program(START_ROW)(
+                self.batch.state, np.int32(b), table, padded, np.int32(len(prompt)), logits, key,
+                np.int32(self.batch.start_state(b)),
             )  # fmt: skip
             slot.decoding = True
         return True
@@ -233,10 +234,10 @@ class Engine(EnginePrograms):
         if key is None:  # not compiled yet (admission waits for it, so only after a failure): try again soon
             time.sleep(0.01)
             return
-        self.rows.state, out = self.program(key)(self.params, self.rows.state, self.rows.rules)
+        self.batch.state, out = self.program(key)(self.params, self.batch.state, self.batch.rules)
         token, logprob = np.asarray(out.token), np.asarray(out.logprob)
         top_ids, top_lp = np.asarray(out.top_ids), np.asarray(out.top_logprobs)
-        done = np.asarray(self.rows.state.done)
+        done = np.asarray(self.batch.state.done)
         ended = []
         for b in decoding:
             slot = self.slots[b]
@@ -266,7 +267,7 @@ class Engine(EnginePrograms):
                 slots.append(self.slots[b])
                 self.slots[b] = None
             self.lock.notify_all()
-        self.rows.state = self.program(("row", "stop"))(self.rows.state, mask, np.int32(self.rows.filler))
+        self.batch.state = self.program(STOP_ROWS)(self.batch.state, mask, np.int32(self.batch.filler))
         for slot in slots:
             self.pool.release(slot.blocks, slot.names)
         if any(s.automaton is not None for s in slots):

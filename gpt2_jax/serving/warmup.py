@@ -18,7 +18,7 @@ from gpt2_jax.errors import GPT2JaxError
 from gpt2_jax.generation import prompt_logprobs
 from gpt2_jax.sampling import SamplingParams, constraints
 from gpt2_jax.serving.engine import Engine
-from gpt2_jax.serving.rows import Request, row_key
+from gpt2_jax.serving.slots import Request, row_key
 
 
 def schedule(engine: Engine, *, echo: bool = True) -> list:

@@ -25,7 +25,7 @@ import numpy as np
 
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import ConfigError
-from gpt2_jax.generation.speculative.propose import MAX_NGRAM, prompt_lookup  # noqa: F401
+from gpt2_jax.generation.speculative.propose import LOOKUP_NGRAM, prompt_lookup  # noqa: F401
 from gpt2_jax.generation.speculative.verify import Stats, speculate_chunk, speculate_round, start_draft  # noqa: F401
 from gpt2_jax.model.params import Params
 

@@ -21,7 +21,7 @@ from gpt2_jax.model.kv_cache import KVCache
 from gpt2_jax.model.params import Params
 from gpt2_jax.sampling.draw import argmax
 
-MAX_NGRAM = 3  # prompt lookup matches the last 3 tokens, else the last 2, else the last 1
+LOOKUP_NGRAM = 3  # prompt lookup matches the last 3 tokens, else the last 2, else the last 1
 
 
 def last_match(history: jax.Array, length: jax.Array, n: int) -> jax.Array:
@@ -41,11 +41,11 @@ def last_match(history: jax.Array, length: jax.Array, n: int) -> jax.Array:
 
 def prompt_lookup(history: jax.Array, length: jax.Array, k: int) -> jax.Array:
     """history [B, S] holding `length` [B] tokens -> k proposed next tokens [B, k]: what followed the
-    latest earlier occurrence of the last MAX_NGRAM (else fewer) tokens. The continuation repeats with
+    latest earlier occurrence of the last LOOKUP_NGRAM (else fewer) tokens. The continuation repeats with
     the match's period once it reaches the row's end (a loop keeps looping); with no match at all, the
     last token repeated."""
     end = jnp.full(length.shape, -1, jnp.int32)
-    for n in range(MAX_NGRAM, 0, -1):  # the longest n that matches wins
+    for n in range(LOOKUP_NGRAM, 0, -1):  # the longest n that matches wins
         end = jnp.where(end >= 0, end, last_match(history, length, n))
     found = end >= 0
     period = jnp.where(found, length - 1 - end, 1)  # slots end+1 .. length-1 are known: `period` of them

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from gpt2_jax.config import GPT2Config
-from gpt2_jax.generation.decode import DecodeState, Rules, Step, draw
+from gpt2_jax.generation.decode import DecodeState, Rules, Step, draw, empty_steps, fill_after
 from gpt2_jax.generation.speculative.propose import draft_prefill, draft_propose, prompt_lookup
 from gpt2_jax.model.axes import replicate
 from gpt2_jax.model.gpt2 import forward_cached
@@ -143,16 +143,10 @@ def speculate_loop(
         stats = Stats(stats.proposed + on * k, stats.accepted + jnp.maximum(kept - 1, 0), stats.rounds + on)
         return i + 1, state, dcache, out, stats
 
-    out = Step(jnp.zeros((B, steps), jnp.int32), jnp.zeros((B, steps)), jnp.zeros((B, steps, r), jnp.int32),
-               jnp.zeros((B, steps, r)))  # fmt: skip
-    carry = (jnp.zeros((), jnp.int32), state, dcache, out, Stats(zeros, zeros, zeros))
+    carry = (jnp.zeros((), jnp.int32), state, dcache, empty_steps(B, steps, r), Stats(zeros, zeros, zeros))
     _, state, dcache, out, stats = jax.lax.while_loop(running, body, carry)
     made = state.generated - start
-    after = jnp.arange(steps)[None, :] >= made[:, None]
-    out = out._replace(
-        token=jnp.where(after, state.fill[:, None], out.token), logprob=jnp.where(after, 0.0, out.logprob)
-    )
-    return state, dcache, out, made, stats
+    return state, dcache, fill_after(out, state.fill, made), made, stats
 
 
 @functools.partial(jax.jit, static_argnames=("config", "draft_config", "steps", "k", "r", "hooks"),

@@ -15,6 +15,7 @@ from typing import NamedTuple
 import jax.numpy as jnp
 import numpy as np
 
+from gpt2_jax.compiling import pow2_bucket
 from gpt2_jax.sampling.constraints.automaton import Automaton
 from gpt2_jax.sampling.constraints.spec import ConstraintError
 
@@ -30,11 +31,6 @@ class ConstraintTables(NamedTuple):
     accept: np.ndarray  # [Q] bool: EOS allowed (a complete match so far); True in FREE
     group: np.ndarray  # [B] int32: the class_of row each batch row uses
     start: np.ndarray  # [B] int32: each batch row's initial global state
-
-
-def _bucket(n: int, minimum: int) -> int:
-    """Smallest power of two >= max(n, minimum)."""
-    return 1 << (max(n, minimum) - 1).bit_length()
 
 
 def bucket(tables: ConstraintTables) -> tuple[int, int, int]:
@@ -71,7 +67,7 @@ def pack(
         parts.append(a)
     n_states = 1 + sum(a.next_state.shape[0] for a in parts)
     n_classes = max([1] + [a.next_state.shape[1] for a in parts])
-    G, Q, C = _bucket(1 + len(parts), MIN_G), _bucket(n_states, MIN_Q), _bucket(n_classes, MIN_C)
+    G, Q, C = pow2_bucket(1 + len(parts), MIN_G), pow2_bucket(n_states, MIN_Q), pow2_bucket(n_classes, MIN_C)
     if shape is not None:
         need = {"automata (+ the free one)": (1 + len(parts), shape[0]), "states": (n_states, shape[1]),
                 "token classes": (n_classes, shape[2])}  # fmt: skip

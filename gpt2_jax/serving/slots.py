@@ -1,4 +1,5 @@
-"""The engine's rows: a request, the row it holds (Slot), the fixed widths of its rules.
+"""The engine's slots, on the host: a Request (one row to generate), the Slot it holds while it runs (its
+blocks, its prompt's progress), and the fixed widths every row's rules are padded to.
 
 Every per-row setting has a fixed width in the engine (logit_bias entries, bad words, constraint tables), so
 one decode program serves every request; a request that does not fit gets a 400 naming the limit.
@@ -41,7 +42,7 @@ class Request:
     key: Any  # this row's PRNG key (generate's row key: fold_in(request key, row index))
     on_event: Callable[[str, Any], None]
     cancelled: bool = False
-    prepared: Any = None  # generate's preparation of it, made by Engine.submit's check
+    prepared: Any = None  # generate's preparation of it (Engine.check), made once per row
     seed: int | None = None  # informational: the seed the key was made from, when there is one
     arrived: float = dataclasses.field(default_factory=time.perf_counter)
 

@@ -1,4 +1,5 @@
-"""The engine's device state: one paged decode state for every row, and every row's rules at fixed widths.
+"""The engine's DeviceBatch: one paged decode state for every row, and every row's rules at fixed widths (the
+device side of the slots in serving.slots).
 
 The rules (sampling settings, processors, stop ids, constraint tables) live on the host as numpy arrays at the
 engine's fixed shapes, are edited row by row when a request starts, and are sent to the device whole only when
@@ -15,15 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gpt2_jax.compiling import pow2_bucket
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.generation import init_paged, prepare
 from gpt2_jax.model import Params, float_dtype
 from gpt2_jax.sampling import SamplingParams, constraints
-from gpt2_jax.serving.rows import fit, fixed_processors
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
+from gpt2_jax.serving.slots import fit, fixed_processors
 
 
 def spec(tree: Any) -> Any:
@@ -31,14 +29,18 @@ def spec(tree: Any) -> Any:
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)), tree)
 
 
-class EngineState:
-    """B rows over a pool of num_blocks blocks (M per row), and their rules."""
+class DeviceBatch:
+    """The engine's batch on the device: B rows over a pool of num_blocks blocks (M per row), and their rules."""
 
     def __init__(self, params: Params, config: GPT2Config, rows: int, num_blocks: int, blocks_per_row: int,
                  max_constraint_states: int, constraint_classes: int):  # fmt: skip
         self.config, self.rows = config, rows
         self.filler = config.eos_id if config.eos_id is not None else 0  # what an idle row emits, never read
-        self.table_shape = (_pow2(rows + 1), _pow2(2 * max_constraint_states + 1), _pow2(constraint_classes))
+        self.table_shape = (
+            pow2_bucket(rows + 1),
+            pow2_bucket(2 * max_constraint_states + 1),
+            pow2_bucket(constraint_classes),
+        )
         prep = prepare(params, config, [[self.filler]] * rows, jax.random.key(0),
                        [SamplingParams(max_new_tokens=1)] * rows)  # fmt: skip
         rules = prep.rules._replace(processors=fixed_processors(prep.rules.processors, rows))

@@ -1,7 +1,12 @@
-"""Per-row sampling settings: validation on the host, broadcasting to one traced value per row, row keys.
+"""Everything packed per row (vLLM's SamplingMetadata, beside the request's SamplingParams): the warpers'
+RowSettings and the processors' ProcessorSettings, built from one SamplingParams per row (which checks them)
+or from keyword settings, and the row keys.
 
-Settings are traced values [B], never static: rows with different settings share one compiled
-program, and a new value never recompiles.
+Settings are traced values [B], never static: rows with different settings share one compiled program,
+and a new value never recompiles. Ragged settings (logit_bias entries, bad words) are padded to buckets
+(powers of two above a minimum), so a new value of similar size reuses the compiled program.
+
+Shape legend: B rows, N logit-bias entries, W banned words, M tokens per word.
 """
 
 from __future__ import annotations
@@ -13,8 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gpt2_jax.compiling import pow2_bucket
 from gpt2_jax.errors import ConfigError
-from gpt2_jax.sampling.params import SamplingParams, check_values
+from gpt2_jax.sampling.params import RULES, SamplingParams, check_values, sampling_rows
 
 
 class RowSettings(NamedTuple):
@@ -27,6 +33,20 @@ class RowSettings(NamedTuple):
     # the host keeps exact-boundary cases identical (1 - float32(0.9) is 3 ulps away from float32(0.1)).
     top_p_drop: jax.Array
     min_p: jax.Array  # [B] float32; 0 = off (applied after top-p, as transformers' MinPLogitsWarper)
+
+
+class ProcessorSettings(NamedTuple):
+    """Per-row processor settings, all traced (pack_processors builds them)."""
+
+    bias_ids: jax.Array  # [B, N] int32 token ids of logit_bias (unused entries: id 0, bias 0)
+    bias: jax.Array  # [B, N] float32
+    repetition_penalty: jax.Array  # [B] float32 theta; 1 = off
+    frequency_penalty: jax.Array  # [B] float32; 0 = off
+    presence_penalty: jax.Array  # [B] float32; 0 = off
+    no_repeat_ngram_size: jax.Array  # [B] int32 n; 0 = off
+    bad_words: jax.Array  # [B, W, M] int32 token sequences, left-aligned
+    bad_word_lengths: jax.Array  # [B, W] int32; 0 = unused slot
+    min_new_tokens: jax.Array  # [B] int32; 0 = off
 
 
 def _is_tracer(x: Any) -> bool:
@@ -80,3 +100,37 @@ def row_keys(key: Any, batch_size: int) -> jax.Array:
     if key.shape != (batch_size,):
         raise ConfigError(f"key must be one PRNG key or one per row (shape ({batch_size},)), got shape {key.shape}")
     return key
+
+
+def pack_processors(rows: Sequence[SamplingParams], eos: Sequence[int | None]) -> ProcessorSettings:
+    """One checked SamplingParams per row (and each row's EOS) -> ProcessorSettings of host arrays. Ragged
+    settings are padded to buckets: logit_bias entries to 16, 32, ...; bad words to 4, 8, ... words of 4, 8,
+    ... tokens. As transformers does, the one-token bad word [eos] is dropped (EOS stays possible)."""
+    B = len(rows)
+    n = pow2_bucket(max((len(r.logit_bias or ()) for r in rows), default=0), 16)
+    ids, bias = np.zeros((B, n), np.int32), np.zeros((B, n), np.float32)
+    for b, r in enumerate(rows):
+        for i, (t, x) in enumerate((r.logit_bias or {}).items()):
+            ids[b, i], bias[b, i] = t, x
+    words = [[list(w) for w in r.bad_words_ids if list(w) != [e]] for r, e in zip(rows, eos)]
+    W = pow2_bucket(max(map(len, words), default=0), 4)
+    M = pow2_bucket(max((len(w) for row in words for w in row), default=0), 4)
+    table, lengths = np.zeros((B, W, M), np.int32), np.zeros((B, W), np.int32)
+    for b, row in enumerate(words):
+        for i, w in enumerate(row):
+            table[b, i, : len(w)], lengths[b, i] = w, len(w)
+    scalars = {
+        name: np.array([getattr(r, name) for r in rows], RULES[name][0])
+        for name in ("repetition_penalty", "frequency_penalty", "presence_penalty", "no_repeat_ngram_size",
+                     "min_new_tokens")
+    }  # fmt: skip
+    return ProcessorSettings(bias_ids=ids, bias=bias, bad_words=table, bad_word_lengths=lengths, **scalars)
+
+
+def processor_settings(batch_size: int, vocab: int, eos_id: int | None, **settings: Any) -> ProcessorSettings:
+    """The processors' settings in keyword form (SamplingParams' names: logit_bias, repetition_penalty, ...;
+    each one value for every row or one per row) -> ProcessorSettings, checked as SamplingParams checks them."""
+    rows = sampling_rows(None, batch_size, settings)
+    for r in rows:
+        r.check(vocab, eos_id)
+    return pack_processors(rows, [eos_id] * batch_size)
