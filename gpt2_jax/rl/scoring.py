@@ -7,8 +7,7 @@ forward reproduces the sampler's logprobs exactly: the trainer is exactly on-pol
 
 One thing breaks that under jax.grad, and it is handled here. Differentiated, XLA compiles the forward
 together with the residuals its backward keeps, fuses it differently and rounds differently: on the bundled
-model, autodiff's forward gave logprobs up to 2.6e-6 away from the sampler's (measured 2026-12-02, 32 rows of
-48 tokens). `completion_logprobs` therefore has a custom VJP: its forward is the plain inference forward
+model, autodiff's forward gives logprobs a few 1e-6 away from the sampler's (bench/RESULTS.md, RL). `completion_logprobs` therefore has a custom VJP: its forward is the plain inference forward
 (the sampler's bits, and nothing kept but its inputs), and its backward differentiates the same function
 written as the training step writes its loss (training's attention, its unrolled layer scan, its chunked
 fused head), which equals the inference forward to float32 rounding and which autodiff differentiates faster.

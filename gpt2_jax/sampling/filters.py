@@ -38,7 +38,7 @@ def cumsum(x: jax.Array) -> jax.Array:
     # with its threshold, so a sum one ulp off can move the boundary. On the CPU the kernel does what torch
     # does (one sequential float64 pass per row). Where it does not run (GPU, a mesh, no compiler) XLA's own
     # float32 cumsum is not good enough: over 50,257 sorted probabilities it was up to 3 ulps off torch's,
-    # on 40-51% of the prefixes (measured 2026-12-02, eight random rows); so a (hi, lo) float32 pair carries
+    # on about half the prefixes of random rows; so a (hi, lo) float32 pair carries
     # ~48 bits through a log-depth scan instead, which XLA compiles slowly for a 50k vocabulary (about 2 s
     # each time it appears), the reason the kernel path exists.
     def add(a, b):

@@ -1,16 +1,15 @@
 """The server process's heap: a malloc that gives memory back, for a long-lived process running XLA programs.
 
 A server runs for weeks; its RSS should track what it holds. Under glibc's malloc it does not: over bench/soak.py
-the live memory stays flat (the same 85 device arrays and the same Python heap, by tracemalloc, after every 100
-requests) while RSS climbs about 0.07 MiB per request (x1.2 over 2,000 requests, each then again alone). The
-per-step buffers of XLA and numpy, of ever-different sizes between 64 KiB and 4 MiB, freed among live chunks,
-leave holes in glibc's arenas that no trim returns. Measured on the soak (bench/RESULTS.md, "Soak"):
+the live memory stays flat (the same device arrays and the same Python heap, by tracemalloc) while RSS climbs
+with every request. The per-step buffers of XLA and numpy, of ever-different sizes between 64 KiB and 4 MiB,
+freed among live chunks, leave holes in glibc's arenas that no trim returns. The choices, on the soak
+(bench/RESULTS.md, "Soak", has the numbers):
 
-  glibc, arenas capped at 2, trimmed when idle            x1.197 over 1,000 requests
-  the same with a fixed 64 KiB mmap threshold             x1.021 over 2,000, but each step maps and faults its
-                                                          multi-MiB temporaries afresh: 15-20% slower decode
-  jemalloc, oversize_threshold:0, purged when idle         x1.026 over 2,000, at glibc's speed (0.9 ms of
-                                                          system time per gpt2-small B=8 step; glibc 0.4-1.4)
+  glibc, arenas capped at 2, trimmed when idle            RSS keeps climbing
+  the same with a fixed 64 KiB mmap threshold             flat, but each step maps and faults its multi-MiB
+                                                          temporaries afresh: a slower decode
+  jemalloc, oversize_threshold:0, purged when idle         flat, at glibc's speed
 
 So `gpt2-jax serve` runs on jemalloc where it is installed (Debian/Ubuntu: libjemalloc2): the CLI starts the
 process again with it preloaded (`--allocator`, serve_allocator below). Where it is not, glibc is tuned as far as

@@ -4,8 +4,8 @@ Every program the engine runs (a prefill per prompt bucket, the decode step with
 is compiled once, with jax's ahead-of-time API (`jit(f).lower(...).compile()`), by one compiler thread in
 priority order. The engine asks for a program when a request needs it, admits the request once it is ready,
 and meanwhile keeps stepping every other stream: a new bucket costs the request that needs it a wait, and
-nobody else anything. XLA's compiler releases the GIL (measured: a Python thread beside a 2 s compile kept
-ticking every 5 ms, its longest gap 23 ms), so the engine thread runs on while it compiles.
+nobody else anything. XLA's compiler releases the GIL (a Python thread beside a long compile keeps ticking; bench/RESULTS.md),
+so the engine thread runs on while it compiles.
 """
 
 from __future__ import annotations
