@@ -169,6 +169,13 @@ def test_each_heads_share_of_the_logit_is_its_z_through_its_c_proj_rows():
         assert float(got.bias[0, l]) == pytest.approx(share(b), rel=1e-4, abs=1e-5)
     attn = direct_logit_attribution(params, cache, config, target).attn
     np.testing.assert_allclose(np.asarray(got.heads.sum(-1) + got.bias), np.asarray(attn), rtol=1e-5, atol=1e-5)
+    # int8 params: each c_proj read as the float values it holds, the bits dequantize's whole model gives
+    from gpt2_jax.model.precision import dequantize, with_precision
+
+    q = with_precision(params, "int8")
+    _, qcache = gpt2_jax.run_with_cache(q, np.array([ids]), config)
+    qa, qb = head_attribution(q, qcache, config, target), head_attribution(dequantize(q), qcache, config, target)
+    assert np.array_equal(bits(qa.heads), bits(qb.heads)) and np.array_equal(bits(qa.bias), bits(qb.bias))
     v = explain_data(params, config, PROMPT, "dla", settings={"temperature": 0.0})
     drawn = v["target"]
     want = head_attribution(params, cache, config, drawn)

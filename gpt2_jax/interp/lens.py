@@ -25,8 +25,9 @@ from gpt2_jax.errors import InputError
 from gpt2_jax.model.axes import mesh_of, on_mesh
 from gpt2_jax.model.gpt2 import unembed
 from gpt2_jax.model.layers import F32
-from gpt2_jax.model.params import Params, unstack_layers, wte_rows
-from gpt2_jax.model.precision import dequantize, unpack_params
+from gpt2_jax.model.params import Params, wte_rows
+from gpt2_jax.model.precision import float_weight
+from gpt2_jax.model.precision_type import Precision
 
 _unembed = jax.jit(unembed, static_argnames="config")
 
@@ -159,11 +160,12 @@ def head_attribution(
     scale = cache["ln_final.hook_scale"][:, position]  # [B, 1]
     B = scale.shape[0]
     direction = logit_direction(params, jnp.broadcast_to(jnp.asarray(target, jnp.int32), (B,)))  # [B, D]
-    layers = unstack_layers(unpack_params(dequantize(params)))["h"]
+    precision, blocks = Precision.of(params), params["h"]  # per-layer dicts, or leaves stacked on L
     heads, bias = [], []
     for l in range(config.n_layer):
-        c_proj = layers[l]["attn"]["c_proj"]
-        w = c_proj["weight"].astype(F32).reshape(config.n_embd, H, K)  # [D out, H, K]: head h's K inputs
+        c_proj = blocks[l]["attn"]["c_proj"] if isinstance(blocks, (list, tuple)) else \
+            jax.tree.map(lambda a: a[l], blocks["attn"]["c_proj"])  # fmt: skip
+        w = float_weight(c_proj, precision).reshape(config.n_embd, H, K)  # [D out, H, K]: head h's K inputs
         z = jnp.asarray(cache[f"blocks.{l}.attn.hook_z"][:, position], F32)  # [B, H, K]
         out = jnp.einsum("BHK,DHK->BHD", z, w)  # each head's output, before the others are added
         heads.append(_term(out, scale[:, None], direction[:, None]))

@@ -139,6 +139,15 @@ def dequantize(params: Params) -> Params:
     return _dequantize(drop_row_sums(params)) if is_int8(params) else params
 
 
+def float_weight(p: dict, precision: Precision) -> jax.Array:
+    """One matmul's weight [out..., in] as the float32 values it holds (an int8 one's q * scale, a packed one
+    unpacked): what dequantize and unpack_params give for the whole model, for one linear."""
+    if precision.packed:
+        return unpack(p["weight"])
+    w = p["weight"].astype(jnp.float32)
+    return w * p["scale"][..., None] if precision.quantized else w
+
+
 def pack_params(params: Params) -> Params:
     """float32 params (per-layer, load()'s form) -> float32-packed params: wte and the block matmuls' weights
     packed (gpt2_jax.kernels.pack), everything else as it is. float32-packed params as they are."""
