@@ -8,6 +8,7 @@ import pytest
 import gpt2_jax
 from gpt2_jax.errors import GPT2JaxError, InputError
 from gpt2_jax.interp import decode_array, explain_data
+from gpt2_jax.interp.explain_views import MAX_TOKENS
 from gpt2_jax.sampling import next_token_probs, process_logits
 
 PROMPT = "ROMEO: what light through yonder"
@@ -30,10 +31,14 @@ def test_layer_view_is_run_with_cache(model):
     assert explain_data(params, config, PROMPT, "tokens")["ids"] == ids
     _, cache = gpt2_jax.run_with_cache(params, np.array([ids]), config)
     for layer in (0, config.n_layer - 1):
-        v = explain_data(params, config, PROMPT, "layer", layer=layer)
+        h = config.n_head - 1
+        v = explain_data(params, config, PROMPT, "layer", layer=layer, head=h)
         b = f"blocks.{layer}."
+        assert v["head"] == h and np.array_equal(
+            bits(decode_array(v["pattern"])), bits(cache[b + "attn.hook_pattern"][0])
+        )
         for name, point in (("stage_softmax", "attn.hook_pattern"), ("stage_masked", "attn.hook_attn_scores")):
-            assert np.array_equal(bits(decode_array(v[name])), bits(cache[b + point][0])), name
+            assert np.array_equal(bits(decode_array(v[name])), bits(cache[b + point][0, h : h + 1])), name
         for name, point in (("q", "attn.hook_q"), ("z", "attn.hook_z"), ("mlp_pre", "mlp.hook_pre"),
                             ("mlp_post", "mlp.hook_post"), ("resid_post", "hook_resid_post")):  # fmt: skip
             assert np.array_equal(bits(decode_array(v[name])), bits(cache[b + point][0])), name
@@ -102,6 +107,8 @@ def test_bad_input_is_refused_clearly(model):
         explain_data(params, config, " a" * (config.n_positions + 1), "tokens")
     with pytest.raises(InputError, match="unknown layer"):
         explain_data(params, config, PROMPT, "layer", layer=config.n_layer)
+    with pytest.raises(InputError, match="unknown head"):
+        explain_data(params, config, PROMPT, "layer", head=config.n_head)
     with pytest.raises(GPT2JaxError, match="top_p"):
         explain_data(params, config, PROMPT, "sampling", settings={"top_p": 0})
 
@@ -116,8 +123,12 @@ def test_twelve_layers_of_gpt2_small_widths():
     ids = [int(t) for t in np.random.RandomState(0).randint(0, config.vocab_size, 64)]
     _, cache = gpt2_jax.run_with_cache(params, np.array([ids]), config, names=lambda n: n.startswith("blocks.11."))
     v = explain_data(params, config, ids, "layer", layer=11)
-    for name, point in (("stage_softmax", "attn.hook_pattern"), ("mlp_post", "mlp.hook_post"), ("v", "attn.hook_v")):
+    for name, point in (("pattern", "attn.hook_pattern"), ("mlp_post", "mlp.hook_post"), ("v", "attn.hook_v")):
         assert np.array_equal(bits(decode_array(v[name])), bits(cache[f"blocks.11.{point}"][0])), name
+    assert decode_array(v["stage_raw"]).shape == (1, 64, 64)  # head 0's stages only, not all 12 heads'
+    # The explainer's bound: at most MAX_TOKENS tokens (T x T per head), though the context is 1024.
+    with pytest.raises(InputError, match=f"more than the explainer shows \\({MAX_TOKENS};"):
+        explain_data(params, config, ids * 5, "tokens")
 
 
 def test_a_new_prompt_length_within_its_bucket_compiles_nothing(model):

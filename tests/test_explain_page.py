@@ -211,6 +211,8 @@ def test_the_served_page_shows_run_with_caches_bits(served, browser):
     assert p.do("select_option", "#layer", "2") == "ready"
     assert [b.get("layer") for b in p.asked if b["view"] == "layer"] == [0, 2]
     assert p.do("click", "#heads .head[data-head='1']") == "ready"
+    # The layer view sends one head's stages: opening head 1 asks for it.
+    assert [(b.get("layer"), b.get("head")) for b in p.asked if b["view"] == "layer"] == [(0, 0), (2, 0), (2, 1)]
     assert p.do("click", "#head-stages button[data-stage=softmax]") == "ready"
     pattern = matrix(p.data("#head-stage td"), T)
     assert np.array_equal(bits(pattern), bits(cache["blocks.2.attn.hook_pattern"][0, 1]))

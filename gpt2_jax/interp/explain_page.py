@@ -29,10 +29,10 @@ def _seed(seed: Any) -> int:
     return seed
 
 
-def explain_data(params, config: GPT2Config, prompt: Any, view: str, *, layer: Any = 0, outputs: Any = (),
+def explain_data(params, config: GPT2Config, prompt: Any, view: str, *, layer: Any = 0, head: Any = 0, outputs: Any = (),
                  settings: dict | None = None, seed: Any = 0, steps: Any = 1) -> dict:  # fmt: skip
     """One view of the prompt (text or ids) followed by `outputs` (ids drawn so far): "tokens", "embedding",
-    "layer" (block `layer`), "output", "sampling" (the stages and the draw), "steps" (`steps` draws),
+    "layer" (block `layer`, the stages of head `head`, every head's when None), "output", "sampling" (the stages and the draw), "steps" (`steps` draws),
     "lens", "dla" (of the token sampling draws), "dropout" (training mode on block `layer`)."""
     if view not in VIEWS:
         raise InputError(f"unknown view {view!r}; views: {', '.join(VIEWS)}")
@@ -57,7 +57,7 @@ def explain_data(params, config: GPT2Config, prompt: Any, view: str, *, layer: A
     if view == "embedding":
         return views.embedding_view(out)
     if view == "layer":
-        return views.layer_view(out, layer)
+        return views.layer_view(out, layer, views.check_head(head, config))
     if view == "output":
         return views.output_view(params, out, config)
     if view == "lens":
@@ -123,7 +123,7 @@ def explain(params, config: GPT2Config, prompt: Any, *, seed: int = 0, steps: in
     data = {"model": model, "n_layer": config.n_layer, "n_head": config.n_head, "settings": settings, "seed": seed,
             "open": view,
             "tokens": one("tokens"), "embedding": one("embedding"),
-            "layers": [one("layer", layer=l) for l in range(config.n_layer)], "output": one("output"),
+            "layers": [one("layer", layer=l, head=None) for l in range(config.n_layer)], "output": one("output"),
             "sampling": one("sampling"), "steps": one("steps", steps=steps) if steps else None,
             "lens": one("lens"), "dla": one("dla"), "dropout": one("dropout", layer=0)}  # fmt: skip
     return Explanation(data)

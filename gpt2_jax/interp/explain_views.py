@@ -35,6 +35,9 @@ from gpt2_jax.tokenizer import tokenizer
 MIN_BUCKET = 16  # the smallest padded prompt length
 TOP = 10  # top tokens listed per distribution
 DROPOUT_RATE = 0.1  # GPT-2's training rate, for the dropout view of a checkpoint that stores none
+# The most tokens a view shows. A layer's attention is H tables of T x T per stage, so the forward's memory
+# and a layer view's answer grow as H * T^2; the page cannot draw more than a few hundred columns anyway.
+MAX_TOKENS = 256
 
 
 def encode_array(a: Any) -> dict:
@@ -64,6 +67,9 @@ def prompt_ids(prompt: Any, config: GPT2Config) -> list[int]:
         raise InputError("the prompt is empty: type at least one token")
     if len(ids) > config.n_positions:
         raise InputError(f"the prompt has {len(ids)} tokens, more than the context n_positions={config.n_positions}")
+    if len(ids) > MAX_TOKENS:
+        raise InputError(f"the prompt has {len(ids)} tokens, more than the explainer shows ({MAX_TOKENS}; "
+                         f"the context is n_positions={config.n_positions})")  # fmt: skip
     bad = [t for t in ids if not 0 <= t < config.vocab_size]
     if bad:
         raise InputError(f"token id {bad[0]} is outside the vocab [0, {config.vocab_size})")
@@ -74,6 +80,15 @@ def check_layer(layer: Any, config: GPT2Config) -> int:
     if not isinstance(layer, (int, np.integer)) or isinstance(layer, bool) or not 0 <= layer < config.n_layer:
         raise InputError(f"unknown layer {layer!r}: this model has layers 0..{config.n_layer - 1}")
     return int(layer)
+
+
+def check_head(head: Any, config: GPT2Config) -> int | None:
+    """A head index, or None for every head (a saved page holds them all)."""
+    if head is None:
+        return None
+    if not isinstance(head, (int, np.integer)) or isinstance(head, bool) or not 0 <= head < config.n_head:
+        raise InputError(f"unknown head {head!r}: this model has heads 0..{config.n_head - 1}")
+    return int(head)
 
 
 def padded(ids: list[int], config: GPT2Config) -> np.ndarray:
@@ -122,11 +137,16 @@ LAYER_FIELDS = {  # the page's name -> the recorded point, [T, ...] after the ba
 }  # fmt: skip
 
 
-def layer_view(out: dict, layer: int) -> dict:
-    """One block by stages: LayerNorm, Q/K/V per head, the scores' stages per head [H, T, T] (raw q.k,
-    / sqrt(K), causal mask, softmax = hook_pattern), the weighted sum, c_proj, MLP pre/post GELU."""
+def layer_view(out: dict, layer: int, head: int | None = 0) -> dict:
+    """One block by stages: LayerNorm, Q/K/V per head, every head's pattern [H, T, T], the scores' stages
+    (raw q.k, / sqrt(K), causal mask, softmax = hook_pattern) of `head` [1, T, T] (of every head [H, T, T]
+    when head is None), the weighted sum, c_proj, MLP pre/post GELU. One head's stages, not all H: the
+    answer stays a few megabytes at the longest prompt."""
     view: dict[str, Any] = {name: encode_array(out[point][0]) for name, point in LAYER_FIELDS.items()}
-    view.update({f"stage_{s}": encode_array(out[f"stage.{s}"][0]) for s in ("raw", "scaled", "masked", "softmax")})
+    heads = slice(None) if head is None else slice(head, head + 1)
+    stages = ("raw", "scaled", "masked", "softmax")
+    view.update({f"stage_{s}": encode_array(out[f"stage.{s}"][0, heads]) for s in stages})
+    view.update(pattern=encode_array(out["stage.softmax"][0]), head=head)
     view.update(layer=layer, gelu_x=encode_array(out["gelu.x"]), gelu_y=encode_array(out["gelu.y"]))
     view["norms"] = {p: encode_array(out[f"norm.{p}"][:, 0]) for p in ("hook_resid_mid", "hook_resid_post")}
     return view

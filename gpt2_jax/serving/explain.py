@@ -36,6 +36,7 @@ class ExplainRequest(BaseModel):
     prompt: str | list[int] = Field(description="text, or token ids")
     view: str = Field(description=f"one of {', '.join(EXPLAIN_VIEWS)}")
     layer: int = Field(0, description="the block shown by the layer and dropout views")
+    head: int = Field(0, description="the head whose attention stages the layer view sends")
     outputs: list[int] = Field([], description="token ids drawn so far, appended after the prompt")
     settings: dict[str, Any] = Field({}, description="sampling settings, SamplingParams' names")
     seed: int = Field(0, description="the draw's seed (and dropout's key)")
@@ -45,7 +46,7 @@ class ExplainRequest(BaseModel):
 
 def _param(message: str, settings: dict) -> str | None:
     """The request field an InputError/ConfigError message is about."""
-    for name in ("layer", "seed", "steps", "view"):
+    for name in ("layer", "head", "seed", "steps", "view"):
         if message.startswith((f"unknown {name}", f"{name} ")):
             return name
     if any(message.startswith(name) for name in settings):
@@ -64,7 +65,7 @@ def install(app: FastAPI, engine: Any, enc: Any, check_model: Any) -> None:
         return HTMLResponse(page)
 
     def answer(body: ExplainRequest) -> bytes:
-        data = explain_data(engine.params, engine.config, body.prompt, body.view, layer=body.layer,
+        data = explain_data(engine.params, engine.config, body.prompt, body.view, layer=body.layer, head=body.head,
                             outputs=body.outputs, settings=body.settings, seed=body.seed, steps=body.steps)  # fmt: skip
         return json.dumps(data, separators=(",", ":")).encode()
 
