@@ -94,7 +94,7 @@ def main() -> None:
         return run
 
     def bound(rows: int) -> float:
-        slots = gpt2_jax.generation.cache_capacity(PROMPT, new, config)
+        slots = gpt2_jax.generation.batching.cache_capacity(PROMPT, new, config)
         kv = 2 * L * rows * slots * D * 4
         work = 2 * rows * (config.n_params - config.n_positions * D)
         return max((weights + 3 * kv) / machine["bandwidth"], work / machine["flops"])

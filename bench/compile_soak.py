@@ -70,7 +70,9 @@ from machine import describe  # noqa: E402  (beside this script: python bench/co
 
 import gpt2_jax  # noqa: E402
 from gpt2_jax import GPT2Config, SamplingParams  # noqa: E402
-from gpt2_jax.generation import decode_step, prefill, prepare, start  # noqa: E402
+from gpt2_jax.generation import decode_step, prefill  # noqa: E402
+from gpt2_jax.generation.batching import prepare  # noqa: E402
+from gpt2_jax.generation.generator import start  # noqa: E402
 from gpt2_jax.parallel.sharding import make_mesh, shard_params  # noqa: E402
 from gpt2_jax.serving import Engine  # noqa: E402
 

@@ -51,13 +51,15 @@ def _seconds(fn) -> float:
 def _step_seconds(jax, jnp, C, tables, eos_id: int, calls: int) -> float:
     """Median seconds of one jitted allowed + advance over device-resident tables."""
 
+    from gpt2_jax.sampling.constraints.tables import advance, allowed
+
     @jax.jit
     def step(tables, state, token):
-        return C.allowed(tables, state, eos_id), C.advance(tables, state, token)
+        return allowed(tables, state, eos_id), advance(tables, state, token)
 
     tables = jax.device_put(tables)
     state = jnp.asarray(tables.start)
-    first = jnp.argmax(C.allowed(tables, state, None), axis=1).astype(jnp.int32)  # an allowed token per row
+    first = jnp.argmax(allowed(tables, state, None), axis=1).astype(jnp.int32)  # an allowed token per row
     jax.block_until_ready(step(tables, state, first))  # compile
     times = []
     for _ in range(calls):
@@ -73,22 +75,24 @@ def build_report(calls: int = 300, vocab_size: int = 50257) -> list[dict]:
     import jax.numpy as jnp
     from outlines_core import Index
 
-    from gpt2_jax import constraints as C
+    from gpt2_jax.sampling import constraints as C
     from gpt2_jax.sampling.constraints import spec
+    from gpt2_jax.sampling.constraints.automaton import GPT2_EOS, gpt2_vocabulary
+    from gpt2_jax.sampling.constraints.tables import bucket, nbytes, pack
 
-    C.gpt2_vocabulary.cache_clear()
-    vocab_s = _seconds(C.gpt2_vocabulary)
+    gpt2_vocabulary.cache_clear()
+    vocab_s = _seconds(gpt2_vocabulary)
     rows = []
     for name, make in CASES.items():
         spec.regex_problem.cache_clear()
         validate_s = _seconds(lambda: make(C))
         c = make(C)
-        index_s = _seconds(lambda: Index(c.source, C.gpt2_vocabulary()))
+        index_s = _seconds(lambda: Index(c.source, gpt2_vocabulary()))
         C.compile_constraint.cache_clear()
         cold_s = _seconds(lambda: C.compile_constraint(c, vocab_size))
         cached_s = _seconds(lambda: C.compile_constraint(c, vocab_size))
         auto = C.compile_constraint(c, vocab_size)
-        packed = C.pack([auto] * 8, vocab_size)
+        packed = pack([auto] * 8, vocab_size)
         rows.append(
             dict(
                 constraint=name,
@@ -101,10 +105,10 @@ def build_report(calls: int = 300, vocab_size: int = 50257) -> list[dict]:
                 states=auto.next_state.shape[0],
                 classes=auto.next_state.shape[1],
                 automaton_bytes=sum(a.nbytes for a in auto[:3]),
-                bucket_b8=C.bucket(packed),
-                tables_bytes_b8=C.nbytes(packed),
-                step_b1_s=_step_seconds(jax, jnp, C, C.pack([auto], vocab_size), C.GPT2_EOS, calls),
-                step_b8_s=_step_seconds(jax, jnp, C, packed, C.GPT2_EOS, calls),
+                bucket_b8=bucket(packed),
+                tables_bytes_b8=nbytes(packed),
+                step_b1_s=_step_seconds(jax, jnp, C, pack([auto], vocab_size), GPT2_EOS, calls),
+                step_b8_s=_step_seconds(jax, jnp, C, packed, GPT2_EOS, calls),
             )
         )
     return rows

@@ -57,21 +57,24 @@ def sampler_top_p(jax, jnp, np, gpt2_jax, repeats: int) -> None:
     from pathlib import Path
 
     from gpt2_jax import sampling
+    from gpt2_jax.sampling.draw import inverse_cdf, sample_rows
+    from gpt2_jax.sampling.filters import filter_scaled
+    from gpt2_jax.sampling.metadata import row_settings
 
     params, config = gpt2_jax.load(Path(gpt2_jax.__file__).parent / "assets" / "shakespeare")
     enc = gpt2_jax.tokenizer()
     lines = ["ROMEO:", "JULIET:\nO Romeo", "To be, or not", "HAMLET:", "KING:", "First Citizen:", "O, that", "Now is"]
     logits = jnp.stack([gpt2_jax.forward(params, [enc.encode(t)], config)[0, -1] for t in lines])
-    settings = sampling.row_settings(1.0, 0, 0.9, 8)
+    settings = row_settings(1.0, 0, 0.9, 8)
     keys = jax.random.split(jax.random.key(0), 8)
-    window = jax.jit(sampling.sample_rows)
+    window = jax.jit(sample_rows)
 
     @jax.jit
     def full(keys, logits, settings):  # the reference's filter over a full sort, then the same draw
         scaled = sampling.apply_temperature(logits, settings)
-        kept = sampling.filter_scaled(scaled, settings) > -jnp.inf
+        kept = filter_scaled(scaled, settings) > -jnp.inf
         weight = jnp.where(kept, jnp.exp(scaled - scaled.max(-1, keepdims=True)), 0.0)
-        return sampling.inverse_cdf(weight, jax.vmap(jax.random.uniform)(keys)), kept.sum(-1)
+        return inverse_cdf(weight, jax.vmap(jax.random.uniform)(keys)), kept.sum(-1)
 
     same = (np.asarray(window(keys, logits, settings)) == np.asarray(full(keys, logits, settings)[0])).all()
     tw = best_of(lambda: window(keys, logits, settings).block_until_ready(), repeats + 2)

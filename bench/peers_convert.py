@@ -131,6 +131,7 @@ def engine_gpt2_jax(ckpt: Path, work: Path, threads: int, precision: str):
 
     import gpt2_jax
     from gpt2_jax import kernels
+    from gpt2_jax.kernels.ffi import int8_isa
 
     dtype = {"fp32": "float32", "fp32-packed": "float32-packed"}.get(precision, precision)
     params, config = gpt2_jax.load(ckpt, dtype=dtype)
@@ -146,7 +147,7 @@ def engine_gpt2_jax(ckpt: Path, work: Path, threads: int, precision: str):
     isa = os.environ.get("GPT2_JAX_ROWDOT_ISA")
     rows = {"int8": "int16-rounded activations",
             "w8a8": "activations rounded to bytes per row (c_attn's to int16)"}.get(precision)  # fmt: skip
-    q = f", int8 weights (rowdot_int8, {kernels.int8_isa()}), {rows}" if rows else ""
+    q = f", int8 weights (rowdot_int8, {int8_isa()}), {rows}" if rows else ""
     info = f"jax {jax.__version__}, kernels {kernels.available()}" + (f", forced {isa}" if isa else "") + q
     return gen, info, logits
 

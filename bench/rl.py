@@ -125,6 +125,7 @@ def main() -> None:
 
     import gpt2_jax
     from gpt2_jax import rl
+    from gpt2_jax.rl.loop import DEFAULT_HYPER
 
     torch.set_num_threads(args.threads)
     transformers.logging.set_verbosity_error()
@@ -141,7 +142,7 @@ def main() -> None:
     # gpt2_jax: the same weights, read from the exported directory.
     params, config = gpt2_jax.load(hf_dir, dtype="float32")
     sampling = gpt2_jax.SamplingParams(max_new_tokens=N, eos_id=None)
-    hyper = rl.DEFAULT_HYPER._replace(lr=LR, min_lr=LR, b1=0.9, b2=0.999, clip=1.0, weight_decay=0.0)
+    hyper = DEFAULT_HYPER._replace(lr=LR, min_lr=LR, b1=0.9, b2=0.999, clip=1.0, weight_decay=0.0)
     objective = rl.Objective(epsilon=EPSILON, beta=BETA, loss_type="grpo")
     ours, mismatch = [], []
 

@@ -15,18 +15,20 @@ The public API. Each folder answers one question:
   cli/          the gpt2-jax command
 """
 
-from gpt2_jax import interp, kernels, rl, sampling
+from gpt2_jax import interp as interp
+from gpt2_jax import kernels as kernels
+from gpt2_jax import rl as rl
+from gpt2_jax import sampling as sampling
 from gpt2_jax.checkpoints import BUNDLED_MODEL, convert, load
-from gpt2_jax.compiling import CompileTimer
 from gpt2_jax.config import PRESETS, GPT2Config
 from gpt2_jax.errors import CheckpointError, ConfigError, GPT2JaxError, InputError
 from gpt2_jax.generation import BeamResult, Completion, GenerateResult, beam_search, complete, generate, generate_stream
 from gpt2_jax.interp import run_with_cache, run_with_hooks
-from gpt2_jax.model import cast_params, forward, init_params, precision, stack_layers, unstack_layers
-from gpt2_jax.parallel import distributed, sharding
-from gpt2_jax.sampling import SamplingParams, constraints
+from gpt2_jax.model import cast_params, forward, init_params
+from gpt2_jax.sampling import SamplingParams
+from gpt2_jax.sampling import constraints as constraints
 from gpt2_jax.tokenizer import tokenizer
-from gpt2_jax.training import Hyper, eval_loss, init_state, loss_fn, make_optimizer, make_train_step
+from gpt2_jax.training import Hyper, init_state, loss_fn, make_optimizer, make_train_step
 
 inspect = interp  # the folder's name before 0.4 (it shadowed the standard library's inspect module)
 
@@ -40,10 +42,11 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'gpt2_jax' has no attribute {name!r}")
 
 
+# The folders (interp, kernels, rl, sampling, constraints; nnx on first use) are reachable as attributes;
+# __all__ names the functions and types a user calls.
 __all__ = [
-    "BUNDLED_MODEL", "PRESETS", "BeamResult", "CheckpointError", "CompileTimer", "Completion", "ConfigError", "GPT2Config",
-    "GPT2JaxError", "GenerateResult", "Hyper", "InputError", "SamplingParams", "beam_search", "cast_params", "complete", "constraints", "convert",
-    "distributed", "eval_loss", "forward", "generate", "generate_stream", "init_params", "init_state", "inspect",
-    "interp", "kernels", "load", "loss_fn", "make_optimizer", "make_train_step", "precision", "rl", "run_with_cache",
-    "run_with_hooks", "sampling", "sharding", "stack_layers", "tokenizer", "unstack_layers",
+    "BUNDLED_MODEL", "PRESETS", "BeamResult", "CheckpointError", "Completion", "ConfigError", "GPT2Config",
+    "GPT2JaxError", "GenerateResult", "Hyper", "InputError", "SamplingParams", "beam_search", "cast_params", "complete",
+    "convert", "forward", "generate", "generate_stream", "init_params", "init_state", "load", "loss_fn",
+    "make_optimizer", "make_train_step", "run_with_cache", "run_with_hooks", "tokenizer",
 ]  # fmt: skip

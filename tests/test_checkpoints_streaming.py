@@ -148,7 +148,7 @@ def test_a_checkpoint_reads_each_stored_leaf_once(tmp_path, monkeypatch):
     real = checkpoint._read_shard
     monkeypatch.setattr(checkpoint, "_read_shard", lambda store, *a: reads.append(store.shape) or real(store, *a))
     params, config = gpt2_jax.load(tmp_path / "jax", dtype="bfloat16")
-    stored = jax.tree.leaves(gpt2_jax.stack_layers(params))
+    stored = jax.tree.leaves(gpt2_jax.model.stack_layers(params))
     assert len(reads) == len(stored), f"{len(reads)} reads for {len(stored)} stored leaves"
     stacked, _ = checkpoint.restore(tmp_path / "jax", dtype=jnp.bfloat16, stacked=True)
     for i, layer in enumerate(params["h"]):

@@ -54,7 +54,7 @@ def test_init_params_count_and_no_bias_variant():
         assert params["h"][0]["mlp"]["c_fc"]["weight"].shape == (128, 32)  # [out, in]
         stacked = init_params(jax.random.key(0), config, stacked=True)
         assert stacked["h"]["attn"]["c_attn"]["weight"].shape == (3, 3, 32, 32)  # [L, q|k|v, out, in]
-        for a, b in zip(jax.tree.leaves(gpt2_jax.stack_layers(params)), jax.tree.leaves(stacked)):
+        for a, b in zip(jax.tree.leaves(gpt2_jax.model.stack_layers(params)), jax.tree.leaves(stacked)):
             assert (np.asarray(a) == np.asarray(b)).all()
 
 

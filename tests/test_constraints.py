@@ -11,8 +11,11 @@ import numpy as np
 import pytest
 from outlines_core import Index, Vocabulary
 
-from gpt2_jax import constraints as C
 from gpt2_jax.errors import ConfigError
+from gpt2_jax.sampling import constraints as C
+from gpt2_jax.sampling.constraints.automaton import Automaton
+from gpt2_jax.sampling.constraints.spec import escape
+from gpt2_jax.sampling.constraints.tables import MIN_C, MIN_G, MIN_Q, ConstraintTables, advance, allowed, bucket, pack
 from gpt2_jax.tokenizer import tokenizer
 
 V, EOS, PADDED_V = 50257, 50256, 50304
@@ -23,8 +26,8 @@ SCHEMA = {
     "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
     "required": ["name"],
 }
-allowed_jit = jax.jit(C.allowed, static_argnames="eos_id")
-advance_jit = jax.jit(C.advance)
+allowed_jit = jax.jit(allowed, static_argnames="eos_id")
+advance_jit = jax.jit(advance)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +63,7 @@ def schema_check(data: bytes) -> bool:
     )
 
 
-def distance_to_accept(tables: C.ConstraintTables) -> np.ndarray:
+def distance_to_accept(tables: ConstraintTables) -> np.ndarray:
     """[Q] fewest tokens from each global state to an accepting one (large if none)."""
     dist = np.where(tables.accept, 0, 10**6)
     ns = tables.next_state
@@ -80,7 +83,7 @@ def walk(constraint, vocab, check, seeds, steps=40, vocab_size=V, greedy=0.6, st
     of the rows that chose EOS (every one of them passed `check`).
     """
     index = Index(constraint.source, vocab)
-    tables = C.pack([C.compile_constraint(constraint, vocab_size)] * len(seeds), vocab_size)
+    tables = pack([C.compile_constraint(constraint, vocab_size)] * len(seeds), vocab_size)
     dist = distance_to_accept(tables)
     rngs = [np.random.default_rng(s) for s in seeds]
     ref = [index.get_initial_state()] * len(seeds)
@@ -137,8 +140,8 @@ def test_json_schema_walks_match_outlines_and_json(vocab):
 def test_empty_pattern_allows_only_eos():
     auto = C.compile_constraint(C.regex(""))
     assert auto.next_state.shape[0] == 1 and auto.accept.tolist() == [True]
-    tables = C.pack([auto], V)
-    mask = np.asarray(C.allowed(tables, jnp.asarray(tables.start), EOS))
+    tables = pack([auto], V)
+    mask = np.asarray(allowed(tables, jnp.asarray(tables.start), EOS))
     assert np.flatnonzero(mask[0]).tolist() == [EOS]
 
 
@@ -146,8 +149,8 @@ def test_mixed_pack_equals_each_row_packed_alone():
     cons = [C.regex("[0-9]{3}-[A-Z][a-z]+"), None, C.choice(["yes", "no"]), C.json_schema(SCHEMA), None]
     cons.append(cons[0])
     autos = [None if c is None else C.compile_constraint(c, PADDED_V) for c in cons]
-    mixed = C.pack(autos, PADDED_V)
-    alone = [C.pack([a], PADDED_V) for a in autos]
+    mixed = pack(autos, PADDED_V)
+    alone = [pack([a], PADDED_V) for a in autos]
     assert len(set(mixed.group.tolist())) == 4  # free + three distinct automata (the repeat deduped)
     rng = np.random.default_rng(0)
     state = jnp.asarray(mixed.start)
@@ -168,26 +171,26 @@ def test_mixed_pack_equals_each_row_packed_alone():
 
 
 def test_same_size_patterns_share_shapes_and_compilation():
-    f = jax.jit(lambda tables, state: C.allowed(tables, state, EOS))
-    packs = [C.pack([C.compile_constraint(C.regex(p)), None], V) for p in ("[a-z]{3}", "[b-y]{4}")]
-    assert C.bucket(packs[0]) == C.bucket(packs[1]) == (C.MIN_G, C.MIN_Q, C.MIN_C)
+    f = jax.jit(lambda tables, state: allowed(tables, state, EOS))
+    packs = [pack([C.compile_constraint(C.regex(p)), None], V) for p in ("[a-z]{3}", "[b-y]{4}")]
+    assert bucket(packs[0]) == bucket(packs[1]) == (MIN_G, MIN_Q, MIN_C)
     assert [a.shape for a in packs[0]] == [a.shape for a in packs[1]]
     for t in packs:
         f(t, jnp.asarray(t.start))
     assert f._cache_size() == 1
-    big = C.pack([C.compile_constraint(C.regex("[a-z]{100}"))], V)
-    assert C.bucket(big)[1] == 128  # 1 free + 101 states, so the bucket does grow when it must
+    big = pack([C.compile_constraint(C.regex("[a-z]{100}"))], V)
+    assert bucket(big)[1] == 128  # 1 free + 101 states, so the bucket does grow when it must
 
 
 def test_advance_keeps_state_on_eos_and_disallowed():
-    tables = C.pack([C.compile_constraint(C.regex("ab")), None], V)
+    tables = pack([C.compile_constraint(C.regex("ab")), None], V)
     state = jnp.asarray(tables.start)
     b = ENC.encode_ordinary("b")[0]
-    assert np.asarray(C.advance(tables, state, jnp.asarray([b, b]))).tolist() == tables.start.tolist()
-    assert np.asarray(C.advance(tables, state, jnp.asarray([EOS, EOS]))).tolist() == tables.start.tolist()
+    assert np.asarray(advance(tables, state, jnp.asarray([b, b]))).tolist() == tables.start.tolist()
+    assert np.asarray(advance(tables, state, jnp.asarray([EOS, EOS]))).tolist() == tables.start.tolist()
 
 
-def accepts(auto: C.Automaton, text: str) -> bool:
+def accepts(auto: Automaton, text: str) -> bool:
     s = 0
     for t in ENC.encode_ordinary(text):
         s = auto.next_state[s, auto.class_of[t]]
@@ -209,7 +212,7 @@ def test_choice_matches_options_literally():
              "twowords", "say hi", "line break", "cafe", "日", "", "a.bc", " two words"]  # fmt: skip
     for text in wrong:
         assert not accepts(auto, text), text
-    assert C.escape("a b\n.é") == "a b\n\\.é"
+    assert escape("a b\n.é") == "a b\n\\.é"
 
 
 def test_errors_name_the_problem():
@@ -234,7 +237,7 @@ def test_errors_name_the_problem():
     ):
         C.compile_constraint(C.regex("a"), 50000)
     with pytest.raises(C.ConstraintError, match="compiled for vocab_size 50257, not 50304"):
-        C.pack([C.compile_constraint(C.regex("a"))], PADDED_V)
+        pack([C.compile_constraint(C.regex("a"))], PADDED_V)
 
 
 def test_constraint_is_hashable_and_cached():

@@ -5,8 +5,10 @@ import jax
 import numpy as np
 import pytest
 
-from gpt2_jax import BUNDLED_MODEL, ConfigError, SamplingParams, constraints, generate, load, tokenizer
-from gpt2_jax.serving import Cancelled, Engine, QueueFull, Request
+from gpt2_jax import BUNDLED_MODEL, ConfigError, SamplingParams, generate, load, tokenizer
+from gpt2_jax.sampling import constraints
+from gpt2_jax.serving import Engine
+from gpt2_jax.serving.engine import Cancelled, QueueFull, Request
 from gpt2_jax.serving.engine_programs import Decode
 
 
@@ -179,7 +181,7 @@ def test_warm_up_freezes_the_heap_the_idle_engine_refreezes_and_stop_thaws(model
     import gc
     import time
 
-    from gpt2_jax.serving import warm_up
+    from gpt2_jax.serving.warmup import warm_up
 
     params, config, enc = model
     engine = Engine(params, config, max_batch=2, max_queue=2, max_seq=64).start()
@@ -210,7 +212,7 @@ def test_no_request_stalls_the_others_while_its_programs_or_its_constraint_compi
 
     import jax
 
-    from gpt2_jax.serving import ConstraintCompiler
+    from gpt2_jax.serving.constraint_worker import ConstraintCompiler
 
     params, config, enc = model
     engine = Engine(params, config, max_batch=4, max_queue=4, max_seq=256)

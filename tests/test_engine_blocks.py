@@ -7,9 +7,11 @@ import jax
 import numpy as np
 import pytest
 
-from gpt2_jax import SamplingParams, constraints, generate, load
-from gpt2_jax.serving import Engine, Request
+from gpt2_jax import SamplingParams, generate, load
+from gpt2_jax.sampling import constraints
+from gpt2_jax.serving import Engine
 from gpt2_jax.serving.blocks import BlockPool, block_names
+from gpt2_jax.serving.engine import Request
 from tests.reference import make_hf_model
 
 

@@ -250,7 +250,7 @@ def test_checkpoint_in_the_old_layout_or_with_a_missing_tensor_says_so(hf_dir, t
     from gpt2_jax.checkpoints import native as checkpoint
 
     params, config = gpt2_jax.load(hf_dir)
-    params = gpt2_jax.stack_layers(params)
+    params = gpt2_jax.model.stack_layers(params)
     old = {**params, "h": {**params["h"], "attn": {**params["h"]["attn"], "c_attn": {
         "weight": params["h"]["attn"]["c_attn"]["weight"].transpose(0, 3, 1, 2),  # gpt2_jax 0.2's [L, in, 3, out]
         "bias": params["h"]["attn"]["c_attn"]["bias"]}}}}  # fmt: skip

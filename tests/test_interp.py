@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import gpt2_jax
-from gpt2_jax import inspect
+from gpt2_jax import interp as inspect
 from gpt2_jax.errors import InputError
 from gpt2_jax.model.gpt2 import forward_cached
 from gpt2_jax.model.kv_cache import init_cache
@@ -118,7 +118,7 @@ def test_identity_hooks_and_capture_keep_every_bit(model, our_run):
     edited = gpt2_jax.run_with_hooks(params, TOKENS, config, identity)
     np.testing.assert_array_equal(bits(edited), bits(plain))
     np.testing.assert_array_equal(bits(our_run[0]), bits(plain))
-    stacked = gpt2_jax.run_with_cache(gpt2_jax.stack_layers(params), TOKENS, config,
+    stacked = gpt2_jax.run_with_cache(gpt2_jax.model.stack_layers(params), TOKENS, config,
                                       names=lambda n: n.startswith("blocks.1"))[1]  # fmt: skip
     for name, a in stacked.items():  # the other param layout: the same activations
         np.testing.assert_array_equal(bits(a), bits(our_run[1][name]), err_msg=name)

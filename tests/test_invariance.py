@@ -46,7 +46,7 @@ def test_a_row_alone_equals_the_row_in_a_batch_bit_for_bit(model, batch_runs, na
     _, params, config = model
     batch = batch_runs[name]
     keys = jax.random.split(jax.random.key(11), len(PROMPTS))
-    stacked = gpt2_jax.stack_layers(params)
+    stacked = gpt2_jax.model.stack_layers(params)
     for b, prompt in enumerate(PROMPTS):
         # alone; alone with a 3x larger cache (max_new_tokens 150: 384 slots, not 128); with the stacked layout;
         # and next to a different neighbour in a batch of 2
@@ -197,7 +197,7 @@ def test_int8_rows_keep_their_bits_in_any_batch_and_equal_a_full_forward(model, 
     order = [2, 0, 2]
     runs = {b: generate(q, config, [PROMPTS[b]], keys[b][None], **kw) for b in (0, 1)}
     odd = generate(q, config, [PROMPTS[b] for b in order], keys[jnp.array(order)], **kw)
-    stacked = generate(gpt2_jax.stack_layers(q), config, [PROMPTS[3]], keys[3][None], **kw)
+    stacked = generate(gpt2_jax.model.stack_layers(q), config, [PROMPTS[3]], keys[3][None], **kw)
     for rows, got in [((0,), runs[0]), ((1,), runs[1]), (order, odd), ((3,), stacked)]:
         for i, b in enumerate(rows):
             np.testing.assert_array_equal(got.tokens[i], batch.tokens[b])
@@ -220,7 +220,7 @@ def test_packed_float32_generates_float32s_bits_at_any_batch(model, batch_runs):
 
     _, params, config = model
     packed = with_precision(params, "float32-packed")
-    assert gpt2_jax.model.param_bytes(packed) < 0.9 * gpt2_jax.model.param_bytes(params)
+    assert gpt2_jax.model.params.param_bytes(packed) < 0.9 * gpt2_jax.model.params.param_bytes(params)
     keys = jax.random.split(jax.random.key(11), len(PROMPTS))
     kw = dict(max_new_tokens=N, eos_id=None, return_logprobs=True, **SETTINGS["sampled"])
     fp32 = batch_runs["sampled"]

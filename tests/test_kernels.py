@@ -1,4 +1,4 @@
-"""gpt2_jax.kernels.rowdot and chain, the float32 matmuls whose outputs round the same way for any row count.
+"""gpt2_jax.kernels.ffi.rowdot and chain, the float32 matmuls whose outputs round the same way for any row count.
 
 References: numpy in float64 (the value), a numpy loop of float32 fused multiply-adds (chain's exact
 bits), the kernel's own full-batch call (the bits of every slice of rows), its AVX2 path in a fresh
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from gpt2_jax import kernels
-from gpt2_jax.kernels import argmax, chain, rowdot, rowdot_int8, softmax
+from gpt2_jax.kernels.ffi import argmax, chain, int8_isa, rowdot, rowdot_int8, softmax
 
 pytestmark = pytest.mark.skipif(kernels.available() is None, reason="rowdot not built on this machine")
 
@@ -92,10 +92,10 @@ from gpt2_jax import kernels
 assert kernels.available() == "avx2", kernels.available()
 rng = np.random.default_rng(3)
 x = rng.standard_normal((19, 770), np.float32); w = rng.standard_normal((37, 770), np.float32)
-np.save(sys.argv[1], np.asarray(kernels.rowdot(x, w)))
-np.save(sys.argv[2], np.asarray(kernels.chain(x[:, :70], w[:, :70].T.copy())))
+np.save(sys.argv[1], np.asarray(rowdot(x, w)))
+np.save(sys.argv[2], np.asarray(chain(x[:, :70], w[:, :70].T.copy())))
 q = rng.integers(-127, 128, (37, 770), dtype=np.int8); s = rng.uniform(1e-3, 1e-1, 37).astype(np.float32)
-np.save(sys.argv[3], np.asarray(kernels.rowdot_int8(x, q, s)))
+np.save(sys.argv[3], np.asarray(rowdot_int8(x, q, s)))
 """
 
 
@@ -121,7 +121,7 @@ from gpt2_jax import kernels
 rng = np.random.default_rng(6)
 x = rng.standard_normal((2, 770), np.float32); w = rng.standard_normal((37, 770), np.float32)
 q = rng.integers(-127, 128, (37, 770), dtype=np.int8); s = rng.uniform(1e-3, 1e-1, 37).astype(np.float32)
-np.save(sys.argv[1], np.asarray(kernels.rowdot(x[:1], w))); np.save(sys.argv[2], np.asarray(kernels.rowdot_int8(x[:1], q, s)))
+np.save(sys.argv[1], np.asarray(rowdot(x[:1], w))); np.save(sys.argv[2], np.asarray(rowdot_int8(x[:1], q, s)))
 """
 
 
@@ -201,7 +201,7 @@ def test_rowdot_int8_is_exact_integer_arithmetic_for_any_row_count(K, N, mode):
     assert (bits(over_x.reshape(60, N)) == bits(full[:60])).all()
 
 
-@pytest.mark.skipif(kernels.int8_isa() not in ("avx512-vnni", "amx-int8"), reason="a8.h's byte tiles need AVX512-VNNI")
+@pytest.mark.skipif(int8_isa() not in ("avx512-vnni", "amx-int8"), reason="a8.h's byte tiles need AVX512-VNNI")
 def test_w8a8s_few_rows_take_the_byte_tiles_that_read_the_weight_row_sums():
     """3 to 8 rows of w8a8 run a8.h's vpdpbusd tiles, which take the bytes xq + z (z: the row's zero point) and
     subtract z x each weight row's sum: given sums off by one, exactly those rows' outputs move by z x row
@@ -241,13 +241,14 @@ def test_rowdot_int8_gives_a_row_with_a_nan_nan_outputs_and_leaves_the_others():
 _INT8_SCRIPT = """
 import sys, numpy as np
 from gpt2_jax import kernels
-assert kernels.int8_isa() == sys.argv[2], kernels.int8_isa()
+from gpt2_jax.kernels.ffi import Entry, Paged, chain, int8_isa, rowdot, rowdot_int8, softmax
+assert int8_isa() == sys.argv[2], int8_isa()
 rng = np.random.default_rng(4)
 for K, path in ((3100, sys.argv[1]), (3072, sys.argv[3])):  # a K tail; a K that AMX's tiles take
     x = rng.standard_normal((43, K), np.float32); q = rng.integers(-128, 128, (45, K), dtype=np.int8)
-    np.save(path, np.asarray(kernels.rowdot_int8(x, q, np.full(45, 0.02, np.float32))))
+    np.save(path, np.asarray(rowdot_int8(x, q, np.full(45, 0.02, np.float32))))
 x = rng.standard_normal((5, 768), np.float32); q = rng.integers(-127, 128, (45, 768), dtype=np.int8)
-np.save(sys.argv[4], np.asarray(kernels.rowdot_int8(x, q, np.full(45, 0.02, np.float32), q.sum(1, dtype=np.int32))))
+np.save(sys.argv[4], np.asarray(rowdot_int8(x, q, np.full(45, 0.02, np.float32), q.sum(1, dtype=np.int32))))
 """
 INT8_ISAS = ["avx2", "avx512", "avx512-vnni", "amx-int8"]  # each runs everything before it, when forced
 
@@ -259,7 +260,7 @@ def test_every_int8_instruction_set_gives_the_reference_bits(tmp_path, isa):
     (AMX's 16-row tiles or vnni_rows.h's groups of 8, and a part-filled one) against 45 weight rows (AMX's
     32-column steps and a tail), at a K with a tail of 64 and one without; and w8a8's 5 rows (a8.h's byte
     tiles on VNNI, the int16 tiles on its 8-bit rows without)."""
-    here = kernels.int8_isa()
+    here = int8_isa()
     if here not in INT8_ISAS or INT8_ISAS.index(here) <= INT8_ISAS.index(isa):
         pytest.skip(f"needs a CPU with more than {isa} to force it (this one: {here})")
     outs = tmp_path / "tail.npy", tmp_path / "even.npy", tmp_path / "w8a8.npy"
@@ -347,9 +348,9 @@ def test_without_the_kernels_on_the_cpu_a_warning_says_so_once(monkeypatch):
 
 
 def test_an_entry_of_a_stacked_array_is_read_in_place_with_the_same_bits_as_its_slice():
-    """kernels.Entry (a layer of the KV cache): the same product as on the sliced-out layer, bit for bit,
+    """Entry (a layer of the KV cache): the same product as on the sliced-out layer, bit for bit,
     for every layer, with an out-of-range index clamped as XLA's slicing clamps it."""
-    from gpt2_jax.kernels import Entry
+    from gpt2_jax.kernels.ffi import Entry
 
     rng = np.random.default_rng(6)
     stacked = rng.standard_normal((3, 2, 4, 40, 64), np.float32)  # [L, B, H, S, K], like the key cache
@@ -430,7 +431,7 @@ def test_ends_skip_work_without_changing_any_needed_output():
 
 
 def test_chain_gradient_and_entry():
-    from gpt2_jax.kernels import Entry
+    from gpt2_jax.kernels.ffi import Entry
 
     rng = np.random.default_rng(8)
     x = rng.standard_normal((2, 6, 64), np.float32)
@@ -474,7 +475,7 @@ np.savez(sys.argv[1], **out)
 
 @pytest.mark.parametrize("isa", ["native", "avx2"])
 def test_a_paged_operand_is_read_through_its_block_table_with_the_bits_of_the_gathered_array(tmp_path, isa):
-    """kernels.Paged (one layer of the paged KV cache, gpt2_jax.model.paged_cache): chain reads each row's blocks
+    """Paged (one layer of the paged KV cache, gpt2_jax.model.paged_cache): chain reads each row's blocks
     where they lie in the pool, keys paged along the outputs, values along the chains (carried from block to
     block), and gives the bits chain gives on the row's blocks gathered into one array by numpy."""
     if isa == "avx2" and kernels.available() != "avx512":
@@ -500,7 +501,7 @@ def test_a_paged_operand_is_read_through_its_block_table_with_the_bits_of_the_ga
 
 
 def test_attention_softmax_is_a_softmax_whose_row_bits_ignore_batch_and_capacity():
-    """kernels.softmax (attention's, over blocked scores [..., N, C]): a float64 softmax's values; masked slots
+    """softmax (attention's, over blocked scores [..., N, C]): a float64 softmax's values; masked slots
     (NEG_INF) weigh exactly 0 and a fully masked row is uniform; a row's bits are the same alone or in a batch,
     and with more all-masked blocks after it (a larger cache); its gradient is the softmax's."""
     from gpt2_jax.model.attention import NEG_INF, block_softmax

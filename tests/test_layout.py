@@ -48,3 +48,30 @@ def test_the_map_names_nothing_that_is_gone():
 def test_every_folder_is_on_the_map():
     folders = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists())
     assert sorted(set(sections()) - {""}) == folders
+
+
+def test_the_public_surface_is_small_and_honest():
+    """Each folder's __init__ exports what a user calls: at most 120 names in all the __all__s, each one
+    there, and no other public name bound by an __init__ (the folders themselves, modules, aside). Internals are
+    imported from their modules, so none is exported to satisfy an import rule."""
+    import importlib
+    import pkgutil
+    import types
+
+    import gpt2_jax
+
+    names, unlisted = 0, []
+    packages = [gpt2_jax.__name__] + [m.name for m in pkgutil.walk_packages(gpt2_jax.__path__, "gpt2_jax.") if m.ispkg]
+    for name in packages:
+        if name == "gpt2_jax.nnx":
+            continue  # flax: counted below without importing a second time
+        pkg = importlib.import_module(name)
+        exported = list(getattr(pkg, "__all__", []))
+        names += len(exported)
+        assert all(hasattr(pkg, n) for n in exported), (name, [n for n in exported if not hasattr(pkg, n)])
+        for n, v in vars(pkg).items():
+            if not n.startswith("_") and n not in exported and not isinstance(v, types.ModuleType):
+                unlisted.append(f"{name}.{n}")
+    names += len(importlib.import_module("gpt2_jax.nnx").__all__)
+    assert names <= 120, f"{names} exported names"
+    assert not unlisted, f"bound in an __init__ but not in its __all__: {unlisted}"

@@ -14,7 +14,8 @@ from gpt2_jax.errors import CheckpointError, ConfigError, InputError
 from gpt2_jax.model import apply
 from gpt2_jax.model.layers import matmul
 from gpt2_jax.model.params import dotted
-from gpt2_jax.nnx import Block, GPT2LMHead, params_of
+from gpt2_jax.nnx import GPT2LMHead, params_of
+from gpt2_jax.nnx.tree import Block
 from gpt2_jax.parallel.sharding import make_mesh
 from gpt2_jax.training.step import decay_mask
 from tests.reference import (
@@ -68,7 +69,7 @@ def test_state_is_the_params_pytree_no_copy(loaded):
     assert all(flat[n].unsafe_buffer_pointer() == want[n].unsafe_buffer_pointer() for n in want)
     assert all(a is b for a, b in zip(jax.tree.leaves(params_of(nnx.state(model))), jax.tree.leaves(params)))
     # stacked params stay stacked: h is one Block of [L, ...] leaves, still no copy
-    stacked = gpt2_jax.stack_layers(params)
+    stacked = gpt2_jax.model.stack_layers(params)
     smodel = GPT2LMHead.from_params(stacked, config)
     assert isinstance(smodel.h, Block) and smodel.h.mlp.c_fc.weight.shape == (2, 192, 48)
     assert all(a is b for a, b in zip(jax.tree.leaves(smodel.params()), jax.tree.leaves(stacked)))

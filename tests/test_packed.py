@@ -17,7 +17,8 @@ import gpt2_jax
 from gpt2_jax import kernels
 from gpt2_jax.cli import main
 from gpt2_jax.errors import ConfigError
-from gpt2_jax.kernels import pack, packed_rows, rowdot, rowdot_packed, unpack
+from gpt2_jax.kernels.ffi import rowdot
+from gpt2_jax.kernels.packed import Packed, pack, packed_rows, rowdot_packed, unpack
 from gpt2_jax.model import precision
 from tests.reference import hf_logits, make_hf_model
 
@@ -76,12 +77,13 @@ def test_packed_rows_are_the_weights_rows_and_nan_for_a_bad_id():
 _ISA_SCRIPT = """
 import sys, numpy as np
 from gpt2_jax import kernels
+from gpt2_jax.kernels.packed import Packed, pack, rowdot_packed
 from tests.test_packed import weights
 assert kernels.available() == sys.argv[2][:6], kernels.available()
-w = weights((300, 256)); p = kernels.pack(w)
+w = weights((300, 256)); p = pack(w)
 for M in (1, 5):
     x = np.random.default_rng(M).standard_normal((M, 256)).astype(np.float32)
-    np.save(sys.argv[1] + f"{M}.npy", np.asarray(kernels.rowdot_packed(x, p)))
+    np.save(sys.argv[1] + f"{M}.npy", np.asarray(rowdot_packed(x, p)))
 """
 
 
@@ -110,8 +112,8 @@ def model(tmp_path_factory):
 def test_a_packed_model_gives_float32s_logits_bit_for_bit(model):
     path, params, config, hf = model
     packed, _ = gpt2_jax.load(path, dtype="float32-packed")
-    assert gpt2_jax.model.is_packed(packed) and isinstance(packed["h"][1]["mlp"]["c_fc"]["weight"], kernels.Packed)
-    assert gpt2_jax.model.param_bytes(packed) < 0.9 * gpt2_jax.model.param_bytes(params)
+    assert gpt2_jax.model.params.is_packed(packed) and isinstance(packed["h"][1]["mlp"]["c_fc"]["weight"], Packed)
+    assert gpt2_jax.model.params.param_bytes(packed) < 0.9 * gpt2_jax.model.params.param_bytes(params)
     ids = np.random.default_rng(0).integers(0, config.vocab_size, (3, 11))
     logits = gpt2_jax.forward(packed, ids, config)
     np.testing.assert_array_equal(bits(logits), bits(gpt2_jax.forward(params, ids, config)))
@@ -127,11 +129,11 @@ def test_packed_params_refuse_what_they_cannot_do_with_a_clear_error(model):
     path, params, config, _ = model
     packed = precision.pack_params(params)
     with pytest.raises(ConfigError, match="inference only"):
-        gpt2_jax.stack_layers(packed)  # training and saving stack the layers
+        gpt2_jax.model.stack_layers(packed)  # training and saving stack the layers
     with pytest.raises(ConfigError, match="unpacks first"):
         gpt2_jax.cast_params(packed, np.float32)
     with pytest.raises(ConfigError, match="per-layer"):
-        precision.pack_params(gpt2_jax.stack_layers(params))
+        precision.pack_params(gpt2_jax.model.stack_layers(params))
     with pytest.raises(ConfigError, match="mesh"):
         gpt2_jax.load(path, dtype="float32-packed", mesh=object())
     with pytest.raises(ConfigError, match=r"K a multiple of 16.*\(4, 20\)"):

@@ -11,7 +11,7 @@ from gpt2_jax.checkpoints import native
 from gpt2_jax.cli import main
 from gpt2_jax.errors import ConfigError
 from gpt2_jax.generation.generator import generate
-from gpt2_jax.model import is_w8a8
+from gpt2_jax.model.params import is_w8a8
 from gpt2_jax.model.precision import quantize, quantize_int8, with_precision
 from gpt2_jax.parallel.sharding import make_mesh, shard_params
 from tests.reference import hf_logits, make_hf_model, random_tokens, rel_err, saved_and_loaded
@@ -88,7 +88,7 @@ def test_cli_int8(capsys, mode):
 def test_convert_stores_int8_and_load_keeps_or_dequantizes_it(model, tmp_path):
     """`convert --dtype int8` writes the quantized weights (a quarter of the bytes), load() gives them back as
     int8 with the bits of quantizing on loading, dtype="float32" dequantizes them, and --to-hf refuses int8."""
-    from gpt2_jax.model import is_int8, param_bytes
+    from gpt2_jax.model.params import is_int8, param_bytes
 
     hf, params, config = model
     src = tmp_path / "hf"

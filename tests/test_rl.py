@@ -11,6 +11,9 @@ from gpt2_jax import rl
 from gpt2_jax.cli import main
 from gpt2_jax.errors import ConfigError
 from gpt2_jax.model.params import to_flat
+from gpt2_jax.rl.rewards import RewardError, score
+from gpt2_jax.rl.scoring import pack_completions
+from gpt2_jax.rl.step import Rollout, rollout_loss
 from tests.reference import make_hf_model, rel_err, saved_and_loaded
 
 OBJECTIVES = {
@@ -84,13 +87,13 @@ def test_rollout_loss_and_every_gradient_match_pytorch(tiny, name):
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 100, n).tolist() for n in (4, 1, 6, 2)]
     comps = [rng.integers(0, 100, n).tolist() for n in (8, 5, 8, 2)]
-    packed = rl.pack_completions(prompts, comps, config, steps=8)
+    packed = pack_completions(prompts, comps, config, steps=8)
     exact = np.asarray(rl.sequence_logprobs(params, config, prompts, comps))
     old = exact - rng.uniform(np.log(0.7), np.log(1.4), exact.shape)  # as if sampled by a slightly older policy
     ref = exact + rng.normal(0, 0.2, exact.shape)
     adv = rng.normal(size=4)
-    rollout = rl.Rollout(*map(jnp.asarray, packed), *(jnp.asarray(a, jnp.float32) for a in (old, ref, adv)))
-    (loss, _), grads = jax.value_and_grad(rl.rollout_loss, has_aux=True)(params, rollout, config, o)
+    rollout = Rollout(*map(jnp.asarray, packed), *(jnp.asarray(a, jnp.float32) for a in (old, ref, adv)))
+    (loss, _), grads = jax.value_and_grad(rollout_loss, has_aux=True)(params, rollout, config, o)
 
     model.zero_grad()
     t = lambda a: torch.tensor(np.asarray(a, np.float32))
@@ -129,12 +132,12 @@ def test_rewards(tmp_path):
            "python:no_such_module_xyz:f": "importing no_such_module_xyz failed", "python:json:nope": "no function",
            "python:json": "expected python:MODULE:FUNCTION", "bleu:4": "none of regex:PATTERN"}  # fmt: skip
     for spec, message in bad.items():
-        with pytest.raises(rl.RewardError, match=message):
+        with pytest.raises(RewardError, match=message):
             rl.parse_reward(spec)
-    with pytest.raises(rl.RewardError, match="returned 'x' for completion 1"):
-        rl.score(lambda p, c: "x" if c == "b" else 1.0, ["", ""], ["a", "b"])
-    with pytest.raises(rl.RewardError, match="raised ZeroDivisionError on completion 0"):
-        rl.score(lambda p, c: 1 / 0, [""], ["a"])
+    with pytest.raises(RewardError, match="returned 'x' for completion 1"):
+        score(lambda p, c: "x" if c == "b" else 1.0, ["", ""], ["a", "b"])
+    with pytest.raises(RewardError, match="raised ZeroDivisionError on completion 0"):
+        score(lambda p, c: 1 / 0, [""], ["a"])
 
 
 def run_cli(args, capsys):

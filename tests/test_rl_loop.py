@@ -10,6 +10,7 @@ import pytest
 import gpt2_jax
 from gpt2_jax import rl
 from gpt2_jax.errors import ConfigError, GPT2JaxError
+from gpt2_jax.rl.loop import DEFAULT_HYPER, DEFAULT_SAMPLING, METRICS
 from tests.reference import make_hf_model, saved_and_loaded
 
 OBJECTIVE = rl.Objective(epsilon=0.2, epsilon_high=0.28, beta=0.04, loss_type="grpo")
@@ -30,9 +31,9 @@ def test_a_short_run_raises_the_reward():
     seeds, so a margin of 1.0 leaves room for another CPU's rounding. The mismatch is
     exactly 0.0 at every step."""
     params, config = gpt2_jax.load(gpt2_jax.BUNDLED_MODEL, dtype="float32")
-    hyper = rl.DEFAULT_HYPER._replace(lr=1e-3, min_lr=1e-3)
+    hyper = DEFAULT_HYPER._replace(lr=1e-3, min_lr=1e-3)
     _, history = rl.grpo(params, config, PROMPTS, rl.regex_reward(SPEAKERS), jax.random.key(0), steps=8,
-                         group_size=8, sampling=rl.DEFAULT_SAMPLING.replace(max_new_tokens=32), hyper=hyper)  # fmt: skip
+                         group_size=8, sampling=DEFAULT_SAMPLING.replace(max_new_tokens=32), hyper=hyper)  # fmt: skip
     r = history["reward_mean"]
     assert np.mean(r[-3:]) > np.mean(r[:3]) + 1.0, r
     assert history["mismatch"] == [0.0] * 8
@@ -43,7 +44,7 @@ def test_a_short_run_raises_the_reward():
 def tiny_run(params, config, out, steps, **kw):
     prompts = [[5, 6, 7], [8], [9, 10]]
     return rl.grpo(params, config, prompts, lambda p, c: c.count("e") + 0.1 * len(c), jax.random.key(4), steps=steps,
-                   group_size=3, prompts_per_step=2, sampling=rl.DEFAULT_SAMPLING.replace(max_new_tokens=8),
+                   group_size=3, prompts_per_step=2, sampling=DEFAULT_SAMPLING.replace(max_new_tokens=8),
                    objective=OBJECTIVE, out=out, ckpt_every=1, **kw)  # fmt: skip
 
 
@@ -66,7 +67,7 @@ def test_resume_equals_an_uninterrupted_run(tiny, tmp_path):
         tiny_run(params, config, tmp_path / "cut", 4)
     resumed, again = tiny_run(params, config, tmp_path / "cut", 4, resume=True)
     timing = ("sampled_tokens_per_s", "trained_tokens_per_s", "step_s")
-    for m in rl.METRICS:
+    for m in METRICS:
         if m not in timing:
             assert again[m] == history[m], m
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(whole)))

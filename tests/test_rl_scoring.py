@@ -12,6 +12,7 @@ from gpt2_jax.errors import InputError
 from gpt2_jax.generation import scoring
 from gpt2_jax.generation.generator import generate
 from gpt2_jax.model.params import to_flat
+from gpt2_jax.rl.scoring import pack_completions
 from gpt2_jax.training.loss_head import weighted_head_loss
 from tests.reference import make_hf_model, rel_err, saved_and_loaded
 
@@ -65,9 +66,9 @@ def test_sequence_logprobs_are_generates_bits(model, sampled, name):
     logprobs, completions = sampled[name]
     order, prompts, comps = shuffled_and_repadded(completions)
     assert (
-        rl.pack_completions(prompts, comps, config).tokens.shape[1]
+        pack_completions(prompts, comps, config).tokens.shape[1]
         == 64
-        != rl.pack_completions(PROMPTS, completions, config).tokens.shape[1]
+        != pack_completions(PROMPTS, completions, config).tokens.shape[1]
     )
     got = np.asarray(rl.sequence_logprobs(params, config, prompts, comps))
     assert got.shape == (5, N)
@@ -82,7 +83,7 @@ _score = jax.jit(scoring.score_tokens, static_argnames=("config", "r"))
 
 def plain_logprobs(params, config, prompts, completions):
     """The same forward (generation's scoring) without the custom VJP: what plain autodiff differentiates."""
-    batch = rl.pack_completions(prompts, completions, config)
+    batch = pack_completions(prompts, completions, config)
     picked = _score(params, jnp.asarray(batch.tokens), config, 0)[0]  # [B, T-1]
     return jnp.where(batch.mask, jnp.take_along_axis(picked, jnp.asarray(batch.index), axis=1), 0.0)
 

@@ -17,6 +17,9 @@ from transformers.generation.logits_process import (
 from gpt2_jax import sampling
 from gpt2_jax.errors import ConfigError
 from gpt2_jax.sampling import next_token_probs, sample
+from gpt2_jax.sampling.draw import CANDIDATES, argmax, row_programs, sample_rows
+from gpt2_jax.sampling.filters import cumsum
+from gpt2_jax.sampling.metadata import row_settings
 
 torch.set_num_threads(1)
 LN2 = np.float32(np.log(2.0))
@@ -80,7 +83,7 @@ def test_cumulative_probability_exactly_p(top_p, n_kept):
 def test_top_p_cumulative_sum_is_torchs_float64_accumulation_rounded():
     # A float32 running sum over 50k tokens drifts by ulps, which would move the top-p boundary.
     p = np.sort(np.random.default_rng(13).dirichlet(np.full(50304, 0.3), 2).astype(np.float32), -1)
-    np.testing.assert_array_equal(jax.jit(sampling.cumsum)(p), torch.tensor(p).cumsum(-1).numpy())
+    np.testing.assert_array_equal(jax.jit(cumsum)(p), torch.tensor(p).cumsum(-1).numpy())
 
 
 @pytest.mark.parametrize("top_p", [1e-6, 1e-9, 1e-30])  # below ~6e-8, 1 - p rounds to 1: all cum <= it
@@ -260,9 +263,9 @@ def test_traced_settings_inside_a_users_jit_and_a_scan():
     f = jax.jit(lambda t, k, p: next_token_probs(logits, temperature=t, top_k=k, top_p=p))
     np.testing.assert_allclose(f(0.8, 4, 0.9), probs(logits, 0.8, 4, 0.9), atol=1e-7)
     # The generation loop's entry point: per-row settings and keys inside lax.scan.
-    settings = sampling.row_settings(0.9, 10, 0.95, 5)
+    settings = row_settings(0.9, 10, 0.95, 5)
     keys = jax.random.split(jax.random.key(8), (3, 5))
-    step = lambda c, ks: (c, sampling.sample_rows(ks, logits, settings))
+    step = lambda c, ks: (c, sample_rows(ks, logits, settings))
     scanned = jax.lax.scan(step, 0, keys)[1]
     for s in range(3):
         np.testing.assert_array_equal(scanned[s], sample(keys[s], logits, temperature=0.9, top_k=10, top_p=0.95))
@@ -304,7 +307,7 @@ def test_wrong_number_of_keys_raises():
 
 
 def program(t, k, p, b, v, n_valid=None) -> list[int]:
-    return np.asarray(sampling.row_programs(sampling.row_settings(t, k, p, b), v, n_valid)).tolist()
+    return np.asarray(row_programs(row_settings(t, k, p, b), v, n_valid)).tolist()
 
 
 def chi2_pvalue(counts: np.ndarray, expected: np.ndarray) -> float:
@@ -369,7 +372,7 @@ def test_draws_of_every_program_follow_next_token_probs(t, k, p, n_valid, expect
         assert top[0] == 11
 
 
-C = sampling.CANDIDATES
+C = CANDIDATES
 
 
 @pytest.mark.parametrize("n_ties, top_p", [(C - 1, 1.0), (C, 1.0), (C + 300, 1.0), (C - 1, 0.9), (C + 300, 0.9)])
@@ -405,7 +408,7 @@ ROW_PAIRS = [
 
 @jax.jit
 def _rows(keys, logits, settings):
-    return sampling.sample_rows(keys, logits, settings)
+    return sample_rows(keys, logits, settings)
 
 
 @pytest.mark.parametrize("v, n", [(2000, 2000), (50257, 64)])
@@ -421,8 +424,8 @@ def test_a_rows_token_does_not_depend_on_its_neighbours_program(v, n):
         with_rows = [np.append(x[:n], y) for x, y in zip(alone_rows, other)]
         assert program(*alone_rows, n + 1, v) == [my_program] * (n + 1)
         assert program(*with_rows, n + 1, v) == [my_program] * n + [other_program]
-        alone = np.asarray(_rows(keys, logits, sampling.row_settings(*alone_rows, n + 1)))[:n]
-        with_neighbour = np.asarray(_rows(keys, logits, sampling.row_settings(*with_rows, n + 1)))[:n]
+        alone = np.asarray(_rows(keys, logits, row_settings(*alone_rows, n + 1)))[:n]
+        with_neighbour = np.asarray(_rows(keys, logits, row_settings(*with_rows, n + 1)))[:n]
         np.testing.assert_array_equal(alone, with_neighbour, err_msg=f"{mine} next to {other}")
         expected = probs(row[None], *mine)[0]
         assert (expected[alone] > 0).all()
@@ -435,4 +438,4 @@ def test_argmax_helper_is_jnp_argmax():
     x[2, [3, 9]] = np.nan
     x[3] = -np.inf
     x[4, :20] = -np.inf
-    np.testing.assert_array_equal(jax.jit(sampling.argmax)(x), jnp.argmax(x, axis=-1))
+    np.testing.assert_array_equal(jax.jit(argmax)(x), jnp.argmax(x, axis=-1))

@@ -13,18 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from gpt2_jax import (
-    BUNDLED_MODEL,
-    ConfigError,
-    constraints,
-    generate,
-    generate_stream,
-    init_params,
-    load,
-    sampling,
-    tokenizer,
-)
-from gpt2_jax.generation.speculative import prompt_lookup, speculate_chunk
+from gpt2_jax import BUNDLED_MODEL, ConfigError, generate, generate_stream, init_params, load, tokenizer
+from gpt2_jax.generation.speculative.propose import prompt_lookup
+from gpt2_jax.generation.speculative.verify import speculate_chunk
+from gpt2_jax.sampling import constraints
+from gpt2_jax.sampling.metadata import row_keys
 from tests.reference import make_hf_model, saved_and_loaded
 
 SHAPE = dict(n_layer=2, n_head=3, n_embd=48, vocab_size=101, n_positions=96)
@@ -124,7 +117,7 @@ def test_statistics_follow_the_draft(target, drafts):
 
 
 def test_a_row_is_the_same_alone_and_in_any_batch(target, drafts):
-    keys = sampling.row_keys(jax.random.key(3), len(PROMPTS))  # what generate gives row b: fold_in(key, b)
+    keys = row_keys(jax.random.key(3), len(PROMPTS))  # what generate gives row b: fold_in(key, b)
     batch = run(target, SETTINGS["per-row"], "prompt_lookup")
     assert len(set(batch.accepted.tolist())) > 1  # rows accepted different counts in the same rounds
     for b in (0, 2):
@@ -158,7 +151,7 @@ def test_constraint_on_the_bundled_model():
     prompt = tokenizer().encode("ROMEO:\nHow many ducats? I say ")
     args = dict(max_new_tokens=16, temperature=0.9, constraint=constraints.regex("[0-9]{1,3} ducats"), eos_id=50256,
                 return_logprobs=True)  # fmt: skip
-    keys = sampling.row_keys(jax.random.key(5), 3)
+    keys = row_keys(jax.random.key(5), 3)
     plain = generate(params, config, [prompt] * 3, keys, **args)
     spec = generate(params, config, [prompt] * 3, keys, draft="prompt_lookup", num_speculative_tokens=K, **args)
     assert_same(spec, plain)

@@ -7,8 +7,9 @@ import jax
 import numpy as np
 import pytest
 
-from gpt2_jax import BUNDLED_MODEL, ConfigError, complete, constraints, generate, generate_stream, load, tokenizer
+from gpt2_jax import BUNDLED_MODEL, ConfigError, complete, generate, generate_stream, load, tokenizer
 from gpt2_jax.generation.generator import _generate
+from gpt2_jax.sampling import constraints
 
 N = 40
 

@@ -11,9 +11,8 @@ streaming.py, host_buffers.py   lazy tensors -> params on device(s) in bounded m
 atomic.py       writes that land whole or not at all
 """
 
-from gpt2_jax.checkpoints import hf, native
 from gpt2_jax.checkpoints.conversion import convert
 from gpt2_jax.checkpoints.hub import BUNDLED_MODEL, resolve_model
 from gpt2_jax.checkpoints.loading import FORMATS, load
 
-__all__ = ["BUNDLED_MODEL", "FORMATS", "convert", "hf", "load", "native", "resolve_model"]
+__all__ = ["BUNDLED_MODEL", "FORMATS", "convert", "load", "resolve_model"]

@@ -1,7 +1,6 @@
-"""The gpt2-jax command: generate, convert, train, data, serve, explain, rl, info. It uses only the public API
-(checked by import-linter, see pyproject.toml)."""
+"""The gpt2-jax command: generate, convert, train, data, serve, explain, rl, info. It imports the folders below
+it, never the reverse (checked by import-linter, see pyproject.toml)."""
 
-from gpt2_jax.checkpoints import BUNDLED_MODEL
 from gpt2_jax.cli.parser import main
 
-__all__ = ["BUNDLED_MODEL", "main"]
+__all__ = ["main"]

@@ -19,7 +19,7 @@ from gpt2_jax.errors import GPT2JaxError
 
 def _constraint(args: argparse.Namespace):
     """--regex / --choice / --json-schema -> a gpt2_jax.sampling.constraints object, or None."""
-    from gpt2_jax import constraints
+    from gpt2_jax.sampling import constraints
 
     if args.regex is not None:
         return constraints.regex(args.regex)
@@ -109,8 +109,9 @@ def load_model(args: argparse.Namespace, mesh):
     text from either; elsewhere the stored dtype. args.dtype is set to what was chosen."""
     import jax
 
-    from gpt2_jax import load, precision
+    from gpt2_jax import load
     from gpt2_jax.checkpoints import resolve_model
+    from gpt2_jax.model import precision
     from gpt2_jax.parallel import shard_params
 
     if args.dtype is None and jax.default_backend() == "cpu":
@@ -191,10 +192,13 @@ def _encoding():
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from gpt2_jax import CompileTimer, complete, generate_stream
-    from gpt2_jax.generation import cache_capacity
-    from gpt2_jax.model import cache_bytes, float_dtype
-    from gpt2_jax.parallel import is_main, parse_mesh
+    from gpt2_jax import complete, generate_stream
+    from gpt2_jax.compiling import CompileTimer
+    from gpt2_jax.generation.batching import cache_capacity
+    from gpt2_jax.model.kv_cache import cache_bytes
+    from gpt2_jax.model.params import float_dtype
+    from gpt2_jax.parallel import is_main
+    from gpt2_jax.parallel.sharding import parse_mesh
     from gpt2_jax.tokenizer import EOT, tokenizer
 
     if args.num_samples < 1:

@@ -64,6 +64,7 @@ def run_rl(args: argparse.Namespace) -> int:
 
     from gpt2_jax import SamplingParams, load, rl
     from gpt2_jax.checkpoints import resolve_model
+    from gpt2_jax.rl.loop import DEFAULT_HYPER
 
     reward = rl.parse_reward(args.reward)  # every argument is checked before the model loads
     prompts = read_prompts(args.prompts)
@@ -71,7 +72,7 @@ def run_rl(args: argparse.Namespace) -> int:
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                               top_p=args.top_p, stop=stop)  # fmt: skip
     objective = rl.Objective(args.epsilon, args.epsilon_high, args.beta, args.loss_type).check()
-    hyper = rl.DEFAULT_HYPER._replace(lr=args.lr, min_lr=args.lr)
+    hyper = DEFAULT_HYPER._replace(lr=args.lr, min_lr=args.lr)
     if args.model is None and not BUNDLED_MODEL.is_dir():
         raise GPT2JaxError(f"no --model given and the bundled model {BUNDLED_MODEL} is missing")
     params, config = load(resolve_model(args.model) if args.model else BUNDLED_MODEL, dtype="float32")

@@ -137,7 +137,7 @@ def limits(args: argparse.Namespace, max_seq: int):
 
 def pool_blocks(args: argparse.Namespace, config, dtype) -> int | None:
     """--num-blocks, or --kv-cache-mb as blocks (plus the null block); None: the engine's default."""
-    from gpt2_jax.model import pool_bytes
+    from gpt2_jax.model.paged_cache import pool_bytes
 
     if args.num_blocks is not None and args.kv_cache_mb is not None:
         raise GPT2JaxError("give --num-blocks or --kv-cache-mb, not both")
@@ -157,7 +157,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import socket
     import threading
 
-    from gpt2_jax.serving import serve_allocator
+    from gpt2_jax.serving.memory import serve_allocator
 
     try:
         env, malloc_line = serve_allocator(args.allocator, dict(os.environ))
@@ -179,9 +179,14 @@ def run_serve(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise GPT2JaxError(f"gpt2-jax serve needs fastapi and uvicorn: pip install 'gpt2-jax[serve]' ({e})") from None
 
-    from gpt2_jax.model import KEY_BLOCK, float_dtype, pool_bytes
-    from gpt2_jax.parallel import parse_mesh
-    from gpt2_jax.serving import ConstraintCompiler, Engine, tune_malloc, warm_up
+    from gpt2_jax.model.attention import KEY_BLOCK
+    from gpt2_jax.model.paged_cache import pool_bytes
+    from gpt2_jax.model.params import float_dtype
+    from gpt2_jax.parallel.sharding import parse_mesh
+    from gpt2_jax.serving import Engine
+    from gpt2_jax.serving.constraint_worker import ConstraintCompiler
+    from gpt2_jax.serving.memory import tune_malloc
+    from gpt2_jax.serving.warmup import warm_up
     from gpt2_jax.tokenizer import tokenizer
 
     def say(line: str) -> None:

@@ -71,8 +71,10 @@ def join(args: argparse.Namespace) -> bool:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from gpt2_jax.parallel import is_main, parse_mesh
-    from gpt2_jax.training import Hyper, parse_config, train
+    from gpt2_jax.parallel import is_main
+    from gpt2_jax.parallel.sharding import parse_mesh
+    from gpt2_jax.training import Hyper, train
+    from gpt2_jax.training.loop import parse_config
 
     join(args)
     mesh = parse_mesh(args.mesh) if args.mesh else None
@@ -93,7 +95,7 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def run_data(args: argparse.Namespace) -> int:
-    from gpt2_jax.training import fetch_shakespeare, prepare
+    from gpt2_jax.training.data import fetch_shakespeare, prepare
 
     if args.data_command == "shakespeare":
         meta = fetch_shakespeare(args.out, force=args.force)

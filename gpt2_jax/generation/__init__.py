@@ -13,46 +13,22 @@ scoring.py      prompt_logprobs: given tokens scored as generate reports them
 speculative/    speculative decoding that keeps plain decoding's tokens
 """
 
-from gpt2_jax.generation.batching import Prepared, bucket, cache_capacity, prepare
-from gpt2_jax.generation.beam import MAX_BEAMS, BeamResult, BeamSteps, beam_search
+from gpt2_jax.generation.beam import BeamResult, beam_search
 from gpt2_jax.generation.completion import Completion, complete
-from gpt2_jax.generation.decode import DecodeState, Rules, Step, StopRule, decode_step, halt, prefill
-from gpt2_jax.generation.generator import GenerateResult, encoding, generate, generate_stream, start, token_bytes
-from gpt2_jax.generation.paged import decode_rows, init_paged, prefill_chunk, start_row, stop_rows
-from gpt2_jax.generation.scoring import PromptScores, prompt_logprobs, score_tokens
-from gpt2_jax.generation.stop_strings import StopMatcher
+from gpt2_jax.generation.decode import decode_step, prefill
+from gpt2_jax.generation.generator import GenerateResult, generate, generate_stream
+from gpt2_jax.generation.scoring import prompt_logprobs, score_tokens
 
 __all__ = [
-    "MAX_BEAMS",
     "BeamResult",
-    "BeamSteps",
     "Completion",
-    "DecodeState",
     "GenerateResult",
-    "Prepared",
-    "PromptScores",
-    "Rules",
-    "Step",
-    "StopMatcher",
-    "StopRule",
     "beam_search",
-    "bucket",
-    "cache_capacity",
     "complete",
-    "decode_rows",
     "decode_step",
-    "encoding",
     "generate",
     "generate_stream",
-    "halt",
-    "init_paged",
     "prefill",
-    "prefill_chunk",
-    "prepare",
     "prompt_logprobs",
     "score_tokens",
-    "start",
-    "start_row",
-    "stop_rows",
-    "token_bytes",
-]  # fmt: skip
+]

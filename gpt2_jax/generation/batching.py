@@ -15,11 +15,12 @@ from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import ConfigError, InputError
 from gpt2_jax.generation.decode import Rules, StopRule
 from gpt2_jax.interp.hooks import checked_hooks
-from gpt2_jax.kernels import pad_rows
+from gpt2_jax.kernels.invariance import pad_rows
 from gpt2_jax.model.attention import KEY_BLOCK
 from gpt2_jax.model.axes import data_size, mesh_of
 from gpt2_jax.model.params import Params
 from gpt2_jax.sampling import constraints
+from gpt2_jax.sampling.constraints.tables import pack
 from gpt2_jax.sampling.metadata import pack_processors, pack_settings, row_keys
 from gpt2_jax.sampling.params import MAX_STOP_IDS, SamplingParams
 
@@ -164,7 +165,7 @@ def prepare(params: Params, config: GPT2Config, prompts: Any, key: Any, sampling
     procs = pack_processors(sampling, eos)
     automata = [None if s.constraint is None else constraints.compile_constraint(s.constraint, config.vocab_size, e)
                 for s, e in zip(sampling, eos)]  # fmt: skip
-    tables = constraints.pack(automata, config.vocab_size)
+    tables = pack(automata, config.vocab_size)
     rows = -(-B // data_size(mesh)) * data_size(mesh)
     tokens, lengths, keys, settings, procs, stop, group, start = jax.tree.map(
         lambda x: pad_rows(x, rows),

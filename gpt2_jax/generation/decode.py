@@ -15,14 +15,14 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from gpt2_jax import sampling
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.model.axes import constrain, replicate
 from gpt2_jax.model.gpt2 import forward_cached
 from gpt2_jax.model.kv_cache import KVCache, init_cache
 from gpt2_jax.model.params import Params, float_dtype
-from gpt2_jax.sampling import constraints
-from gpt2_jax.sampling.draw import log_probs
+from gpt2_jax.sampling.constraints.tables import ConstraintTables, advance, allowed
+from gpt2_jax.sampling.draw import log_probs, sample_rows, token_logprobs
+from gpt2_jax.sampling.metadata import RowSettings
 from gpt2_jax.sampling.processors import ProcessorSettings, ProcessorState, apply_processors
 from gpt2_jax.sampling.processors import init_state as init_processor_state
 from gpt2_jax.sampling.processors import update_state as update_processor_state
@@ -36,10 +36,10 @@ class StopRule(NamedTuple):
 class Rules(NamedTuple):
     """Everything a step applies to the logits, one traced value (or table) per row."""
 
-    settings: sampling.RowSettings  # warpers: temperature, top-k, top-p, min-p
+    settings: RowSettings  # warpers: temperature, top-k, top-p, min-p
     processors: ProcessorSettings  # penalties, bias, bans, min new tokens
     stop: StopRule
-    constraint: constraints.ConstraintTables  # every row's automaton (state 0 = free)
+    constraint: ConstraintTables  # every row's automaton (state 0 = free)
 
 
 class DecodeState(NamedTuple):
@@ -97,7 +97,7 @@ def _allowed(rules: Rules, state: DecodeState) -> jax.Array:
     when some row is constrained."""
     c = rules.constraint
     return jax.lax.cond(jnp.any(state.automaton > 0),
-                        lambda: constraints.allowed(c, state.automaton, rules.stop.eos_id),
+                        lambda: allowed(c, state.automaton, rules.stop.eos_id),
                         lambda: jnp.ones(state.logits.shape, bool))  # fmt: skip
 
 
@@ -109,11 +109,11 @@ def draw(state: DecodeState, rules: Rules, n_valid: int, r: int = 0) -> tuple[De
     length = state.cache.lengths
     logits = apply_processors(state.logits, rules.processors, state.history, length, state.generated, stops,
                               _allowed(rules, state))  # fmt: skip
-    token = sampling.sample_rows(keys, logits, rules.settings, n_valid)
-    logprob = sampling.token_logprobs(state.logits, token)
+    token = sample_rows(keys, logits, rules.settings, n_valid)
+    logprob = token_logprobs(state.logits, token)
     live = ~state.done
     history = update_processor_state(state.history, token, length, live)
-    automaton = jnp.where(live, constraints.advance(rules.constraint, state.automaton, token), state.automaton)
+    automaton = jnp.where(live, advance(rules.constraint, state.automaton, token), state.automaton)
     b = token.shape[0]
     top_ids, top_lp = most_likely(state.logits, r) if r else (jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0)))
     ends = (token == stop.eos_id) | (token[:, None] == stop.stop_ids).any(-1)

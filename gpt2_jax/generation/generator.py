@@ -24,7 +24,7 @@ from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import ConfigError
 from gpt2_jax.generation.batching import Prepared, as_prompts, prepare
 from gpt2_jax.generation.decode import decode_chunk, decode_step, halt, prefill
-from gpt2_jax.generation.speculative import Speculator
+from gpt2_jax.generation.speculative.speculator import Speculator
 from gpt2_jax.generation.speculative.stream import stream_rounds
 from gpt2_jax.generation.stop_strings import StopHit, StopMatcher
 from gpt2_jax.model.axes import on_mesh

@@ -11,43 +11,26 @@ explain(params, config, prompt, ...) -> Explanation: every view, shown inline in
 explain_page_html(data=None): the explainer page (`gpt2-jax serve` serves it at /explain)
 """
 
-from gpt2_jax.interp.explain_page import VIEWS as EXPLAIN_VIEWS
 from gpt2_jax.interp.explain_page import Explanation, explain, explain_data
-from gpt2_jax.interp.explain_page import page_html as explain_page_html
-from gpt2_jax.interp.explain_views import decode_array, encode_array
-from gpt2_jax.interp.hooks import BLOCK_POINTS, Hooks, hook_names, hooks
-from gpt2_jax.interp.lens import (
-    Attribution,
-    accumulated_resid,
-    direct_logit_attribution,
-    dla_names,
-    head_attribution,
-    logit_lens,
-)
-from gpt2_jax.interp.patching import Patching, activation_patching
-from gpt2_jax.interp.run import run_with_cache, run_with_hooks, traced
+from gpt2_jax.interp.explain_views import decode_array
+from gpt2_jax.interp.hooks import Hooks, hook_names, hooks
+from gpt2_jax.interp.lens import accumulated_resid, direct_logit_attribution, head_attribution, logit_lens
+from gpt2_jax.interp.patching import activation_patching
+from gpt2_jax.interp.run import run_with_cache, run_with_hooks
 
 __all__ = [
-    "BLOCK_POINTS",
-    "EXPLAIN_VIEWS",
-    "Attribution",
     "Explanation",
     "Hooks",
-    "Patching",
     "accumulated_resid",
     "activation_patching",
     "decode_array",
     "direct_logit_attribution",
-    "dla_names",
-    "encode_array",
     "explain",
     "explain_data",
-    "explain_page_html",
     "head_attribution",
     "hook_names",
     "hooks",
     "logit_lens",
     "run_with_cache",
     "run_with_hooks",
-    "traced",
-]  # fmt: skip
+]

@@ -17,9 +17,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from gpt2_jax import kernels
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.interp.hooks import BLOCK_POINTS, _Scoped, point_shape
+from gpt2_jax.kernels.ffi import fits, softmax
 from gpt2_jax.model import apply
 from gpt2_jax.model.attention import KEY_BLOCK, NEG_INF, block_scores, block_softmax, causal_mask
 from gpt2_jax.model.layers import attn_scale, gelu
@@ -96,7 +96,7 @@ def attention_stages(q: jax.Array, k: jax.Array, scale: jax.Array) -> dict[str, 
     scaled = raw * scale
     blocked = jnp.pad(causal_mask(T), ((0, 0), (0, 0), (0, n * KEY_BLOCK - T))).reshape(1, 1, T, n, KEY_BLOCK)
     masked = jnp.where(blocked, scaled, NEG_INF)
-    weights = kernels.softmax(masked, block_softmax) if kernels.fits(masked) else block_softmax(masked)
+    weights = softmax(masked, block_softmax) if fits(masked) else block_softmax(masked)
     flat = lambda x: x.reshape(B, H, T, n * KEY_BLOCK)[..., :T]
     shown = jnp.where(causal_mask(T)[:, None], flat(scaled), -jnp.inf)
     return {"raw": flat(raw), "scaled": flat(scaled), "masked": shown, "softmax": flat(weights)}

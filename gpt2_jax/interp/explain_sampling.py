@@ -20,7 +20,8 @@ import numpy as np
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import InputError
 from gpt2_jax.interp.explain_views import encode_array, run, tokens_view, top_tokens
-from gpt2_jax.sampling import SamplingParams, filter_logits, next_token_probs, process_logits, row_settings, sample
+from gpt2_jax.sampling import SamplingParams, filter_logits, next_token_probs, process_logits, sample
+from gpt2_jax.sampling.metadata import row_settings
 
 PROCESSORS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias")
 WARPERS = ("temperature", "top_k", "top_p", "min_p")

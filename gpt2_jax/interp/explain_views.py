@@ -28,7 +28,7 @@ import numpy as np
 from gpt2_jax.compiling import pow2_bucket
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import InputError
-from gpt2_jax.interp._explain_run import EVERY_LAYER, explain_forward
+from gpt2_jax.interp._explain_run import explain_forward
 from gpt2_jax.interp.lens import direct_logit_attribution, head_attribution, logit_lens
 from gpt2_jax.tokenizer import tokenizer
 
@@ -245,6 +245,3 @@ def dropout_view(params, config: GPT2Config, ids: list[int], layer: int, seed: i
         "max_logit_shift": float(shift.max()),
         "train_pattern": encode_array(train["one.attn.hook_pattern"][0]),
     }
-
-
-__all__ = ["EVERY_LAYER", "decode_array", "encode_array", "prompt_ids", "run"]

@@ -108,7 +108,7 @@ class Hooks:
         return bool(self.items)
 
     def tap(self, config: GPT2Config) -> Tap:
-        """The tap that applies these edits in one forward (how gpt2_jax.model.forward_cached takes them)."""
+        """The tap that applies these edits in one forward (how gpt2_jax.model.gpt2.forward_cached takes them)."""
         return Tap(self, (), config)
 
 

@@ -56,47 +56,7 @@ to check that every path gives the same bits; report() says what runs (available
 float32 and int8 instruction sets).
 """
 
-from gpt2_jax.kernels.ffi import (
-    Entry,
-    Paged,
-    argmax,
-    available,
-    chain,
-    cumsum,
-    fits,
-    int8_isa,
-    round_rows_8bit,
-    rowdot,
-    rowdot_int8,
-    softmax,
-    why_unavailable,
-)
-from gpt2_jax.kernels.invariance import MIN_REDUCE, min_rows, pad_rows
-from gpt2_jax.kernels.packed import Packed, pack, packed_rows, rowdot_packed, unpack
-from gpt2_jax.kernels.report import Report, report
+from gpt2_jax.kernels.ffi import available, why_unavailable
+from gpt2_jax.kernels.report import report
 
-__all__ = [
-    "MIN_REDUCE",
-    "Entry",
-    "Packed",
-    "Paged",
-    "Report",
-    "argmax",
-    "available",
-    "chain",
-    "cumsum",
-    "fits",
-    "int8_isa",
-    "min_rows",
-    "pack",
-    "packed_rows",
-    "pad_rows",
-    "report",
-    "round_rows_8bit",
-    "rowdot",
-    "rowdot_int8",
-    "rowdot_packed",
-    "softmax",
-    "unpack",
-    "why_unavailable",
-]
+__all__ = ["available", "report", "why_unavailable"]

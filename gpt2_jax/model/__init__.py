@@ -18,29 +18,20 @@ Shape legend (gpt2_jax.config): B batch, T positions, S cache slots, D width, H 
 F MLP width, V vocab, L layers.
 """
 
-from gpt2_jax.model import precision
-from gpt2_jax.model.attention import KEY_BLOCK
-from gpt2_jax.model.axes import constrain, data_size, mesh_of, on_mesh, replicate
-from gpt2_jax.model.gpt2 import apply, check_tokens, embed, forward, forward_cached, run_blocks, trunk, unembed
-from gpt2_jax.model.kv_cache import CacheView, KVCache, cache_bytes, init_cache
-from gpt2_jax.model.paged_cache import NULL_BLOCK, PagedKVCache, PagedView, init_pool, pool_bytes
-from gpt2_jax.model.params import (
-    Params,
-    cast_params,
-    float_dtype,
-    init_params,
-    is_int8,
-    is_packed,
-    is_w8a8,
-    param_bytes,
-    stack_layers,
-    unstack_layers,
-)
+from gpt2_jax.model.gpt2 import apply, forward
+from gpt2_jax.model.kv_cache import KVCache, init_cache
+from gpt2_jax.model.params import Params, cast_params, init_params, stack_layers, unstack_layers
 from gpt2_jax.model.precision_type import Precision
 
 __all__ = [
-    "KEY_BLOCK", "NULL_BLOCK", "CacheView", "KVCache", "PagedKVCache", "PagedView", "Params", "Precision", "apply",
-    "cache_bytes", "cast_params", "check_tokens", "constrain", "data_size", "embed", "float_dtype", "forward",
-    "forward_cached", "init_cache", "init_params", "init_pool", "is_int8", "is_packed", "is_w8a8", "mesh_of", "on_mesh", "param_bytes",
-    "pool_bytes", "precision", "replicate", "run_blocks", "stack_layers", "trunk", "unembed", "unstack_layers",
-]  # fmt: skip
+    "KVCache",
+    "Params",
+    "Precision",
+    "apply",
+    "cast_params",
+    "forward",
+    "init_cache",
+    "init_params",
+    "stack_layers",
+    "unstack_layers",
+]

@@ -14,7 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from gpt2_jax import kernels
+from gpt2_jax.kernels.ffi import chain, fits, softmax
 from gpt2_jax.kernels.invariance import MIN_REDUCE
 
 F32 = jnp.float32
@@ -29,15 +29,15 @@ def causal_mask(T: int) -> jax.Array:
 
 class Blocked:
     """Attention's arithmetic for q [B, H, T, K] over keys kt [B, H, K, S] (transposed) and values v
-    [B, H, S, K] where mask [B or 1, T, S] allows. kt and v may be kernels.Entry (a layer of the KV cache,
-    read in place) or kernels.Paged (a layer of the paged cache, read through its block table).
+    [B, H, S, K] where mask [B or 1, T, S] allows. kt and v may be Entry (a layer of the KV cache,
+    read in place) or Paged (a layer of the paged cache, read through its block table).
 
     Built so that a query's result is the same bits whatever else is computed with it, and however many key
     slots follow its own (a forward over T tokens vs a cache of S slots): each score is one multiply-add chain
     over K (see block_scores), the slots are grouped in whole blocks of KEY_BLOCK, each block's softmax mass
     is summed alone and the blocks' sums added in order, so masked slots add exact zeros; each output of the
     weighted sum is one chain over the slots (see weighted_values), to which masked slots add exact zeros
-    too. With the kernels the softmax is one pass per query (gpt2_jax.kernels.softmax); without them XLA's,
+    too. With the kernels the softmax is one pass per query (gpt2_jax.kernels.ffi.softmax); without them XLA's,
     whose reductions need a decode step's single query padded with copies so they take their large-input
     path (see MIN_REDUCE). Head-major operands keep (B, H) as the leading batch dims, and the cache holds
     keys transposed, as the scores' kernel reads them (outputs along the slots): the cache is never
@@ -49,7 +49,7 @@ class Blocked:
         S = kt.shape[-1]
         self.n = -(-S // KEY_BLOCK)
         mask = jnp.broadcast_to(mask, (mask.shape[0], T, S))
-        self.kernel = kernels.fits(q, kt, v)
+        self.kernel = fits(q, kt, v)
         # XLA's softmax reductions need enough (query, slot) elements to take their large-input path, and its
         # matmul 2 queries: padded queries (copies of the last) make them up. The kernels (chain, softmax)
         # compute each query's row on its own, so with them only the T real queries go through.
@@ -86,8 +86,8 @@ class Blocked:
         return scores if self.tap is None else tap_scores(self.tap, scores, self.blocked, self.mask[:, :T, :S])
 
     def softmax(self, scores: jax.Array) -> jax.Array:
-        """Blocked weights: each block's mass summed alone (kernels.softmax in one pass, or block_softmax)."""
-        return kernels.softmax(scores, block_softmax) if self.kernel else block_softmax(scores)
+        """Blocked weights: each block's mass summed alone (softmax in one pass, or block_softmax)."""
+        return softmax(scores, block_softmax) if self.kernel else block_softmax(scores)
 
     def tap_pattern(self, weights: jax.Array) -> jax.Array:
         """Blocked weights -> [B, H, T', N x C], through hook_pattern's real [T, S] corner."""
@@ -133,7 +133,7 @@ class Plain:
 
 def block_softmax(scores: jax.Array) -> jax.Array:
     """Blocked scores [B, H, T', N, C] -> weights: the softmax over each query's N x C slots, each block's mass
-    summed alone and the blocks' sums added in order (XLA's arithmetic; gpt2_jax.kernels.softmax is the same
+    summed alone and the blocks' sums added in order (XLA's arithmetic; gpt2_jax.kernels.ffi.softmax is the same
     recipe in one pass per query)."""
     e = jnp.exp(scores - jnp.max(scores, axis=(3, 4), keepdims=True))
     block_sums = e.sum(axis=-1)  # [B, H, T', N]
@@ -144,20 +144,20 @@ def block_softmax(scores: jax.Array) -> jax.Array:
 
 
 def _array(a) -> jax.Array:
-    """An operand as one array: a cache entry (kernels.Entry, kernels.Paged) gathered, a copy."""
+    """An operand as one array: a cache entry (Entry, Paged) gathered, a copy."""
     return a if isinstance(a, jax.Array) else a.get()
 
 
 def block_scores(q: jax.Array, kt, n: int, ends: jax.Array | None = None) -> jax.Array:
     """q [B, H, T, K] . keys kt [B, H, K, S] -> scores [B, H, T, N, C] over n blocks of C = KEY_BLOCK slots
-    (slots past S hold zeros). With the kernel (gpt2_jax.kernels.chain) each score is one multiply-add
+    (slots past S hold zeros). With the kernel (gpt2_jax.kernels.ffi.chain) each score is one multiply-add
     chain over K, whatever T and S (ends [B, H, T]: slots from ends on are not needed, and come back as
     0); XLA's matmul instead gets one fixed [T, C] shape per block (each block its own operand), as its
     kernel changes with S."""
     B, H, T, K = q.shape
     S, Sp = kt.shape[-1], n * KEY_BLOCK
-    if kernels.fits(q, kt):
-        scores = jnp.pad(kernels.chain(q, kt, out_ends=ends), ((0, 0), (0, 0), (0, 0), (0, Sp - S)))
+    if fits(q, kt):
+        scores = jnp.pad(chain(q, kt, out_ends=ends), ((0, 0), (0, 0), (0, 0), (0, Sp - S)))
         return scores.reshape(B, H, T, n, KEY_BLOCK)
     k = jnp.swapaxes(_array(kt), -1, -2)
     kb = jnp.pad(k, ((0, 0), (0, 0), (0, Sp - S), (0, 0))).reshape(B, H, n, KEY_BLOCK, K)
@@ -168,12 +168,12 @@ def block_scores(q: jax.Array, kt, n: int, ends: jax.Array | None = None) -> jax
 
 def weighted_values(weights: jax.Array, v, ends: jax.Array | None = None) -> jax.Array:
     """weights [B, H, T, S'] (S' >= S: slots past S weigh 0) . values v [B, H, S, K] -> [B, H, T, K]: one
-    multiply-add chain over the slots per output (gpt2_jax.kernels.chain; ends [B, H, T]: the weights
+    multiply-add chain over the slots per output (gpt2_jax.kernels.ffi.chain; ends [B, H, T]: the weights
     from ends on are 0, and their products are skipped), or XLA's matmul over the padded slots against
     the values transposed, the layout in which its kernel ignores S."""
     S, Sp = v.shape[-2], weights.shape[-1]
-    if kernels.fits(weights, v):
-        return kernels.chain(weights[..., :S], v, in_ends=ends)
+    if fits(weights, v):
+        return chain(weights[..., :S], v, in_ends=ends)
     vt = jnp.pad(jnp.swapaxes(_array(v), -1, -2), ((0, 0), (0, 0), (0, 0), (0, Sp - S)))
     return jnp.einsum("BHTS,BHKS->BHTK", weights.astype(vt.dtype), vt, preferred_element_type=F32)
 

@@ -21,8 +21,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from gpt2_jax import kernels
+from gpt2_jax.kernels.ffi import fits, round_rows_8bit, rowdot, rowdot_int8
 from gpt2_jax.kernels.invariance import MIN_REDUCE, pad_rows
+from gpt2_jax.kernels.packed import Packed, packed_rows, rowdot_packed
 from gpt2_jax.model.attention import Blocked, Plain  # noqa: F401 (attention's half of this wrapper)
 from gpt2_jax.model.layer_loop import apply_weight, take
 from gpt2_jax.model.precision_type import Precision
@@ -77,8 +78,8 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     leading dims) against w contracted on its last axis, so that a token's result does not depend on
     how many rows share the call (a batch, a prefill, a decode step).
 
-    float32 on a CPU: gpt2_jax.kernels.rowdot, whose every output is one dot product rounded the same
-    way for any M (kernels.rowdot_packed for float32-packed weights). Otherwise (bfloat16 weights, GPU,
+    float32 on a CPU: gpt2_jax.kernels.ffi.rowdot, whose every output is one dot product rounded the same
+    way for any M (rowdot_packed for float32-packed weights). Otherwise (bfloat16 weights, GPU,
     or the kernel not built) XLA's matmul in the form its CPU kernel keeps row-count independent for
     M >= 2: w's output axes merged into one N (else XLA moves the contraction axis first, a
     row-count-dependent kernel), behind a barrier that keeps XLA from swapping the operands for its
@@ -87,13 +88,13 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     more). On a mesh, c_attn's split heads axis (under the unsplit q|k|v axis) cannot merge without
     gathering the weight, so w is contracted as it lies; sharded results equal one device's to 1e-5, not
     bitwise, anyway."""
-    if isinstance(w, kernels.Packed):
-        return kernels.rowdot_packed(x.astype(F32), w)
+    if isinstance(w, Packed):
+        return rowdot_packed(x.astype(F32), w)
     lead, out = x.shape[:-1], w.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     M = x2.shape[0]
-    if kernels.fits(x2, w):
-        return kernels.rowdot(x2, w.reshape(-1, w.shape[-1])).reshape(*lead, *out)
+    if fits(x2, w):
+        return rowdot(x2, w.reshape(-1, w.shape[-1])).reshape(*lead, *out)
     if not jax.sharding.get_abstract_mesh().empty:
         y = jnp.einsum("MI,...I->M...", x2, w, preferred_element_type=F32)
     else:
@@ -104,16 +105,16 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
 
 def int8_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, qsum: jax.Array | None = None) -> jax.Array:
     """x [..., in] @ (q [out..., in] int8 * scale [out...]).T -> [..., out...] float32 (gpt2_jax.model.precision's
-    int8, or its w8a8 with qsum [out...], the weight rows' sums): on a CPU gpt2_jax.kernels.rowdot_int8,
+    int8, or its w8a8 with qsum [out...], the weight rows' sums): on a CPU gpt2_jax.kernels.ffi.rowdot_int8,
     whose every output is one exact integer dot product, then times its scales, rounded the same way for any
     M; otherwise matmul's XLA form over q as float32 (x's rows rounded to bytes first for w8a8), then the
     scales."""
     lead, out = x.shape[:-1], q.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).astype(F32)
-    if kernels.fits(x2):
+    if fits(x2):
         flat = None if qsum is None else qsum.reshape(-1)
-        return kernels.rowdot_int8(x2, q.reshape(-1, q.shape[-1]), scale.reshape(-1), flat).reshape(*lead, *out)
-    x2 = x2 if qsum is None else kernels.round_rows_8bit(x2)
+        return rowdot_int8(x2, q.reshape(-1, q.shape[-1]), scale.reshape(-1), flat).reshape(*lead, *out)
+    x2 = x2 if qsum is None else round_rows_8bit(x2)
     return matmul(x2, q.astype(F32)).reshape(*lead, *out) * scale
 
 
@@ -129,10 +130,10 @@ def weight_matmul(p: dict, x: jax.Array, precision: Precision) -> jax.Array:
 
 def token_rows(params: dict, tokens: jax.Array, precision: Precision) -> jax.Array:
     """tokens [...] -> their wte rows [..., D] as stored in precision's form: float32-packed rows unpacked
-    (kernels.packed_rows), int8 rows times their scales (plus the second byte r / 256 where the params hold
+    (packed_rows), int8 rows times their scales (plus the second byte r / 256 where the params hold
     one: int8 checkpoints written before it lack it). An id outside the vocab gives NaN, never a clamped row."""
     if precision.packed:
-        return kernels.packed_rows(params["wte"], tokens)
+        return packed_rows(params["wte"], tokens)
     if not precision.quantized:
         return jnp.take(params["wte"], tokens, axis=0, mode="fill", fill_value=jnp.nan)
     tok = jnp.take(params["wte"], tokens, axis=0, mode="fill", fill_value=0).astype(F32)

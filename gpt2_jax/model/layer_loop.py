@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from gpt2_jax.kernels import Packed
+from gpt2_jax.kernels.packed import Packed
 from gpt2_jax.model.params import MATMULS
 
 

@@ -44,7 +44,7 @@ import numpy as np
 
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import ConfigError
-from gpt2_jax.kernels import packed_rows
+from gpt2_jax.kernels.packed import packed_rows
 from gpt2_jax.model.precision_type import Precision
 
 Params = dict[str, Any]

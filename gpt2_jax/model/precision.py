@@ -3,7 +3,7 @@
   float32   everything in float32.
   float32-packed
             float32, bit for bit, with the tied wte and the blocks' c_attn, c_proj and c_fc held in 3.5 bytes a
-            weight instead of 4 (gpt2_jax.kernels.Packed, lossless: each weight's low 3 bytes, and a 4-bit code
+            weight instead of 4 (gpt2_jax.kernels.packed.Packed, lossless: each weight's low 3 bytes, and a 4-bit code
             for its top byte, its sign and 7 exponent bits; the rare top byte outside a matrix's 15 most common is
             listed beside it). On a CPU the kernels rebuild them in registers and run rowdot's multiply-adds, so
             logits, tokens and logprobs equal float32's bit for bit at any batch, while a decode step reads 12.5%
@@ -18,7 +18,7 @@
             ("wte" int8 [V, D], "wte_scale" [V]: a token's row is both its embedding and its logit's
             weights). w ~= q * scale, q = round(w / scale) in [-127, 127], scale = max |w| over the row
             / 127. Everything else (wpe, LayerNorms, biases, the KV cache, the residual stream) stays
-            float32. On a CPU each int8 matmul is gpt2_jax.kernels.rowdot_int8: the activation row
+            float32. On a CPU each int8 matmul is gpt2_jax.kernels.ffi.rowdot_int8: the activation row
             rounded to int16 by its own scale (a step of 1/65534 of its largest element, 258x finer than
             the weights'), the dot products summed exactly in integers, one rounding at the end. So a
             row's bits never depend on its batch, and a decode step reads 1 byte per weight (a quarter
@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 
 from gpt2_jax.errors import ConfigError
-from gpt2_jax.kernels import pack, unpack
+from gpt2_jax.kernels.packed import pack, unpack
 from gpt2_jax.model.params import BYTE_INPUTS, MATMULS, Params, cast_params, is_int8, is_packed, is_w8a8
 from gpt2_jax.model.precision_type import MODES, Precision  # noqa: F401 (MODES: the names with_precision takes)
 
@@ -150,7 +150,7 @@ def float_weight(p: dict, precision: Precision) -> jax.Array:
 
 def pack_params(params: Params) -> Params:
     """float32 params (per-layer, load()'s form) -> float32-packed params: wte and the block matmuls' weights
-    packed (gpt2_jax.kernels.pack), everything else as it is. float32-packed params as they are."""
+    packed (gpt2_jax.kernels.packed.pack), everything else as it is. float32-packed params as they are."""
     if is_packed(params):
         return params
     if not isinstance(params["h"], (list, tuple)):

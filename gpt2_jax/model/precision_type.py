@@ -16,7 +16,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from gpt2_jax.errors import ConfigError
-from gpt2_jax.kernels import Packed
+from gpt2_jax.kernels.packed import Packed
 
 
 class Precision(enum.Enum):
@@ -55,7 +55,7 @@ class Precision(enum.Enum):
 
     @property
     def packed(self) -> bool:
-        """float32 weights held packed in 3.5 bytes (gpt2_jax.kernels.Packed)."""
+        """float32 weights held packed in 3.5 bytes (gpt2_jax.kernels.packed.Packed)."""
         return self is Precision.FLOAT32_PACKED
 
     @property

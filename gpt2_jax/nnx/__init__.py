@@ -16,6 +16,6 @@ does not import flax until gpt2_jax.nnx is used.
 """
 
 from gpt2_jax.nnx.module import GPT2LMHead, save
-from gpt2_jax.nnx.tree import MLP, Attention, Block, LayerNorm, Linear, Node, params_of
+from gpt2_jax.nnx.tree import Linear, params_of
 
-__all__ = ["MLP", "Attention", "Block", "GPT2LMHead", "LayerNorm", "Linear", "Node", "params_of", "save"]
+__all__ = ["GPT2LMHead", "Linear", "params_of", "save"]

@@ -25,8 +25,10 @@ from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import ConfigError
 from gpt2_jax.generation import complete, generate
 from gpt2_jax.interp import run_with_cache, run_with_hooks
-from gpt2_jax.model import apply, check_tokens, forward, init_params, mesh_of, on_mesh, stack_layers, trunk
+from gpt2_jax.model import apply, forward, init_params, stack_layers
+from gpt2_jax.model.axes import mesh_of, on_mesh
 from gpt2_jax.model.checks import check_tree
+from gpt2_jax.model.gpt2 import check_tokens, trunk
 from gpt2_jax.model.layers import layer_norm
 from gpt2_jax.model.params import Params
 from gpt2_jax.nnx.tree import LayerNorm, Node, blocks, params_of

@@ -5,11 +5,7 @@ sharding.py     the ("data", "model") mesh, partition specs, shard_params (the a
 distributed.py  several processes: jax.distributed.initialize, then one global mesh
 """
 
-from gpt2_jax.parallel import distributed, sharding
 from gpt2_jax.parallel.distributed import initialize, is_main
-from gpt2_jax.parallel.sharding import make_mesh, onto_mesh, param_shardings, parse_mesh, shard_params
+from gpt2_jax.parallel.sharding import make_mesh, shard_params
 
-__all__ = [
-    "distributed", "initialize", "is_main", "make_mesh", "onto_mesh", "param_shardings", "parse_mesh",
-    "shard_params", "sharding",
-]  # fmt: skip
+__all__ = ["initialize", "is_main", "make_mesh", "shard_params"]

@@ -12,15 +12,22 @@ loop.py       grpo(): sample, score, several epochs per batch; checkpoints, hist
 plots.py      the run's reward / KL / mismatch figure
 """
 
-from gpt2_jax.rl.loop import DEFAULT_HYPER, DEFAULT_SAMPLING, METRICS, grpo, sample_groups
-from gpt2_jax.rl.objective import LOSS_TYPES, Objective, group_advantages, grpo_loss, mismatch, token_kl
-from gpt2_jax.rl.rewards import Reward, RewardError, length_reward, parse_reward, regex_reward, score
-from gpt2_jax.rl.scoring import CompletionBatch, completion_logprobs, pack_completions, sequence_logprobs
-from gpt2_jax.rl.step import Rollout, make_grpo_step, reference_logprobs, rollout_loss
+from gpt2_jax.rl.loop import grpo, sample_groups
+from gpt2_jax.rl.objective import Objective, group_advantages, grpo_loss
+from gpt2_jax.rl.rewards import Reward, length_reward, parse_reward, regex_reward
+from gpt2_jax.rl.scoring import sequence_logprobs
+from gpt2_jax.rl.step import make_grpo_step
 
 __all__ = [
-    "DEFAULT_HYPER", "DEFAULT_SAMPLING", "LOSS_TYPES", "METRICS", "CompletionBatch", "Objective", "Reward",
-    "RewardError", "Rollout", "completion_logprobs", "group_advantages", "grpo", "grpo_loss", "length_reward",
-    "make_grpo_step", "mismatch", "pack_completions", "parse_reward", "reference_logprobs", "regex_reward",
-    "rollout_loss", "sample_groups", "score", "sequence_logprobs", "token_kl",
-]  # fmt: skip
+    "Objective",
+    "Reward",
+    "group_advantages",
+    "grpo",
+    "grpo_loss",
+    "length_reward",
+    "make_grpo_step",
+    "parse_reward",
+    "regex_reward",
+    "sample_groups",
+    "sequence_logprobs",
+]

@@ -31,7 +31,9 @@ import numpy as np
 from gpt2_jax.checkpoints import native
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import ConfigError, GPT2JaxError, InputError
-from gpt2_jax.generation import bucket, encoding, generate
+from gpt2_jax.generation import generate
+from gpt2_jax.generation.batching import bucket
+from gpt2_jax.generation.generator import encoding
 from gpt2_jax.model.params import Params, check_trainable, float_dtype, stack_layers, unstack_layers
 from gpt2_jax.rl.objective import Objective, group_advantages
 from gpt2_jax.rl.plots import plot_rewards

@@ -30,7 +30,9 @@ from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import InputError
 from gpt2_jax.generation.batching import as_prompts
 from gpt2_jax.generation.scoring import check_rows, padded_rows
-from gpt2_jax.model import mesh_of, on_mesh, stack_layers, trunk, unembed
+from gpt2_jax.model import stack_layers
+from gpt2_jax.model.axes import mesh_of, on_mesh
+from gpt2_jax.model.gpt2 import trunk, unembed
 from gpt2_jax.model.layers import layer_norm
 from gpt2_jax.model.params import Params
 from gpt2_jax.sampling.draw import token_logprobs

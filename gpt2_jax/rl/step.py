@@ -17,7 +17,7 @@ import jax
 import optax
 
 from gpt2_jax.config import GPT2Config
-from gpt2_jax.model import mesh_of, on_mesh
+from gpt2_jax.model.axes import mesh_of, on_mesh
 from gpt2_jax.model.params import Params
 from gpt2_jax.rl.objective import Objective, grpo_loss, mismatch
 from gpt2_jax.rl.scoring import completion_logprobs

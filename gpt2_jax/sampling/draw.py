@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gpt2_jax import kernels
+from gpt2_jax.kernels import ffi
 from gpt2_jax.kernels.invariance import min_rows, pad_rows
 from gpt2_jax.sampling.filters import (
     apply_temperature,
@@ -58,7 +58,7 @@ def inverse_cdf(w: jax.Array, u: jax.Array) -> jax.Array:
 
 def argmax(x: jax.Array) -> jax.Array:
     """[B, N] -> [B] int32, exactly jnp.argmax (first maximum; first NaN if any): the kernel's one pass on the
-    CPU (gpt2_jax.kernels.argmax), else two plain reductions (several times cheaper on CPU than argmax's
+    CPU (gpt2_jax.kernels.ffi.argmax), else two plain reductions (several times cheaper on CPU than argmax's
     variadic reduction)."""
     n = x.shape[-1]
 
@@ -67,7 +67,7 @@ def argmax(x: jax.Array) -> jax.Array:
         return jnp.min(jnp.where(hit, jnp.arange(n, dtype=jnp.int32), n), axis=-1)
 
     x = x.astype(jnp.float32)
-    return kernels.argmax(x, reductions) if kernels.fits(x) else reductions(x)
+    return ffi.argmax(x, reductions) if ffi.fits(x) else reductions(x)
 
 
 def _window(scaled, weight, u, settings, k, use_k, use_p):

@@ -17,8 +17,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gpt2_jax import kernels
 from gpt2_jax.errors import ConfigError, InputError
+from gpt2_jax.kernels import ffi
 from gpt2_jax.sampling.metadata import RowSettings, row_settings
 from gpt2_jax.sampling.processors import process_logits
 
@@ -49,7 +49,7 @@ def cumsum(x: jax.Array) -> jax.Array:
         return jax.lax.associative_scan(add, (x, jnp.zeros_like(x)), axis=-1)[0]
 
     x = x.astype(jnp.float32)
-    return kernels.cumsum(x, double_float) if kernels.fits(x) else double_float(x)
+    return ffi.cumsum(x, double_float) if ffi.fits(x) else double_float(x)
 
 
 def apply_temperature(logits: jax.Array, settings: RowSettings, n_valid: int | None = None) -> jax.Array:

@@ -20,27 +20,9 @@ The HTTP parts need the serve extra (fastapi, uvicorn); they are imported on fir
 needs neither.
 """
 
-from gpt2_jax.serving.constraint_worker import ConstraintCompiler
-from gpt2_jax.serving.engine import Cancelled, Engine, QueueFull, Request
-from gpt2_jax.serving.memory import active_allocator, release_free_memory, serve_allocator, tune_malloc
-from gpt2_jax.serving.warmup import warm_up
+from gpt2_jax.serving.engine import Engine
 
-__all__ = [
-    "Budget",
-    "Cancelled",
-    "ConstraintCompiler",
-    "Engine",
-    "Limits",
-    "QueueFull",
-    "Request",
-    "active_allocator",
-    "create_app",
-    "header_timeout",
-    "release_free_memory",
-    "serve_allocator",
-    "tune_malloc",
-    "warm_up",
-]
+__all__ = ["Engine", "Limits", "create_app"]
 
 
 def __getattr__(name: str):
@@ -48,8 +30,8 @@ def __getattr__(name: str):
         from gpt2_jax.serving.api import create_app
 
         return create_app
-    if name in ("Budget", "Limits", "header_timeout"):  # they need uvicorn and fastapi, imported on first use
-        from gpt2_jax.serving import limits
+    if name == "Limits":  # it needs uvicorn and fastapi, imported on first use
+        from gpt2_jax.serving.limits import Limits
 
-        return getattr(limits, name)
+        return Limits
     raise AttributeError(f"module 'gpt2_jax.serving' has no attribute {name!r}")

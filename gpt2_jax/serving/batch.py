@@ -18,9 +18,12 @@ import numpy as np
 
 from gpt2_jax.compiling import pow2_bucket
 from gpt2_jax.config import GPT2Config
-from gpt2_jax.generation import init_paged, prepare
-from gpt2_jax.model import Params, float_dtype
-from gpt2_jax.sampling import SamplingParams, constraints
+from gpt2_jax.generation.batching import prepare
+from gpt2_jax.generation.paged import init_paged
+from gpt2_jax.model import Params
+from gpt2_jax.model.params import float_dtype
+from gpt2_jax.sampling import SamplingParams
+from gpt2_jax.sampling.constraints.tables import pack
 from gpt2_jax.serving.slots import fit, fixed_processors
 
 
@@ -44,7 +47,7 @@ class DeviceBatch:
         prep = prepare(params, config, [[self.filler]] * rows, jax.random.key(0),
                        [SamplingParams(max_new_tokens=1)] * rows)  # fmt: skip
         rules = prep.rules._replace(processors=fixed_processors(prep.rules.processors, rows))
-        tables = constraints.pack([None] * rows, config.vocab_size, self.table_shape)
+        tables = pack([None] * rows, config.vocab_size, self.table_shape)
         self.host = jax.tree.map(np.array, rules._replace(constraint=tables))
         self.tables = jax.device_put(self.host.constraint)
         self.rules = self._device_rules()
@@ -77,7 +80,7 @@ class DeviceBatch:
         """Re-pack the rows' automata into the fixed tables. Decoding rows keep their local state (`move`, the
         compiled set_automaton); a row whose prompt is still going in starts from its start state (start_state)."""
         old = self.host.constraint
-        new = constraints.pack(automata, self.config.vocab_size, self.table_shape)
+        new = pack(automata, self.config.vocab_size, self.table_shape)
         states = np.asarray(self.state.automaton)
         local = np.where(old.group > 0, states - old.start, 0)
         moved = np.where((new.group > 0) & decoding, new.start + local, 0).astype(np.int32)

@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from gpt2_jax.model import NULL_BLOCK
+from gpt2_jax.model.paged_cache import NULL_BLOCK
 
 
 class BlockPlan(NamedTuple):

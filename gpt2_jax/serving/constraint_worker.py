@@ -16,6 +16,8 @@ import threading
 from typing import Any
 
 from gpt2_jax.sampling import constraints
+from gpt2_jax.sampling.constraints.automaton import Automaton, remember
+from gpt2_jax.sampling.constraints.spec import MAX_STATES
 
 KINDS = ("regex", "choice", "json_schema")
 
@@ -25,9 +27,10 @@ def _child(conn: Any) -> None:
     import os
 
     from gpt2_jax.sampling import constraints as C
+    from gpt2_jax.sampling.constraints.automaton import gpt2_vocabulary
 
     os.nice(10)  # the engine's decode steps come first when the cores are busy
-    C.gpt2_vocabulary()  # built once, before the first request
+    gpt2_vocabulary()  # built once, before the first request
     conn.send(("ready",))
     while True:
         try:
@@ -65,7 +68,7 @@ class ConstraintCompiler:
     constraint waits behind slow ones only when every worker is busy, and then at most the timeout. Sizes are
     checked in the calling thread first (milliseconds), so an oversized constraint never takes a worker."""
 
-    def __init__(self, timeout: float = 30.0, max_states: int = constraints.MAX_STATES, workers: int = 2):
+    def __init__(self, timeout: float = 30.0, max_states: int = MAX_STATES, workers: int = 2):
         self.timeout, self.max_states, self.workers = timeout, max_states, workers
         self.idle: queue.Queue = queue.Queue()  # started workers, or None: a slot whose worker starts on use
         self.lock = threading.Lock()
@@ -117,7 +120,7 @@ class ConstraintCompiler:
             raise constraints.ConstraintError(reply[1])
         _, source, description, class_of, next_state, accept, seconds = reply
         c = constraints.Constraint(kind, source, description, validate=False, max_states=self.max_states)
-        constraints.remember(c, vocab_size, eos_id, constraints.Automaton(class_of, next_state, accept, seconds))
+        remember(c, vocab_size, eos_id, Automaton(class_of, next_state, accept, seconds))
         self.cache[key] = c
         if len(self.cache) > 256:
             self.cache.pop(next(iter(self.cache)))

@@ -30,8 +30,11 @@ import numpy as np
 
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import ConfigError, InputError
-from gpt2_jax.generation import StopMatcher, bucket, prepare, token_bytes
-from gpt2_jax.model import KEY_BLOCK, Params
+from gpt2_jax.generation.batching import bucket, prepare
+from gpt2_jax.generation.generator import token_bytes
+from gpt2_jax.generation.stop_strings import StopMatcher
+from gpt2_jax.model import Params
+from gpt2_jax.model.attention import KEY_BLOCK
 from gpt2_jax.sampling import constraints
 from gpt2_jax.serving.batch import DeviceBatch
 from gpt2_jax.serving.blocks import BlockPool
@@ -39,8 +42,6 @@ from gpt2_jax.serving.engine_programs import SET_AUTOMATON, START_ROW, STOP_ROWS
 from gpt2_jax.serving.memory import freeze_heap, release_free_memory, thaw_heap
 from gpt2_jax.serving.slots import Cancelled, QueueFull, Request, Slot, fixed_processors
 from gpt2_jax.serving.slots import tell as _tell
-
-__all__ = ["Cancelled", "Engine", "QueueFull", "Request"]
 
 OLD_SLOTS = 8  # the default pool holds the KV of the 8 max_seq-long slots the engine used to reserve
 DEFAULT_PREFILL_CHUNK = 32  # tokens per prefill chunk: bench/serve.py measures gaps and time to first token

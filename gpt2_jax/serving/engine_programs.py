@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from gpt2_jax.generation import bucket, decode_rows, prefill_chunk, start_row, stop_rows
-from gpt2_jax.sampling import MAX_TOP_LOGPROBS
+from gpt2_jax.generation.batching import bucket
+from gpt2_jax.generation.paged import decode_rows, prefill_chunk, start_row, stop_rows
+from gpt2_jax.sampling.params import MAX_TOP_LOGPROBS
 from gpt2_jax.serving.programs import Programs
 from gpt2_jax.serving.slots import Request, set_automaton
 

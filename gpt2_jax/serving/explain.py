@@ -21,7 +21,9 @@ from fastapi.responses import HTMLResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from gpt2_jax.errors import GPT2JaxError
-from gpt2_jax.interp import EXPLAIN_VIEWS, explain_data, explain_page_html
+from gpt2_jax.interp import explain_data
+from gpt2_jax.interp.explain_page import VIEWS as EXPLAIN_VIEWS
+from gpt2_jax.interp.explain_page import page_html as explain_page_html
 from gpt2_jax.serving import openapi
 from gpt2_jax.serving.limits import check_chars
 from gpt2_jax.serving.schema import ApiError

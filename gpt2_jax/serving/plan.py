@@ -14,7 +14,7 @@ import secrets
 from typing import Any
 
 from gpt2_jax.errors import GPT2JaxError
-from gpt2_jax.generation import MAX_BEAMS
+from gpt2_jax.generation.beam import MAX_BEAMS
 from gpt2_jax.sampling import SamplingParams, constraints
 from gpt2_jax.serving.engine import Engine
 from gpt2_jax.serving.limits import check_chars

@@ -16,7 +16,8 @@ import jax
 import numpy as np
 
 from gpt2_jax.errors import ConfigError, GPT2JaxError
-from gpt2_jax.generation import DecodeState, StopMatcher
+from gpt2_jax.generation.decode import DecodeState
+from gpt2_jax.generation.stop_strings import StopMatcher
 from gpt2_jax.sampling import SamplingParams
 
 MAX_LOGIT_BIAS_SLOTS = 512  # the engine's fixed logit_bias width (OpenAI allows 300 entries)

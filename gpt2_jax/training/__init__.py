@@ -6,11 +6,18 @@ loop.py       train(): keyed batches, eval, orbax checkpoints, bit-exact resume,
 data.py       text -> uint16 memmaps, served as keyed random windows
 """
 
-from gpt2_jax.training.data import DataError, TokenData, fetch_shakespeare, prepare
-from gpt2_jax.training.loop import parse_config, train
+from gpt2_jax.training.data import TokenData
+from gpt2_jax.training.loop import train
 from gpt2_jax.training.step import Hyper, TrainState, eval_loss, init_state, loss_fn, make_optimizer, make_train_step
 
 __all__ = [
-    "DataError", "Hyper", "TokenData", "TrainState", "eval_loss", "fetch_shakespeare", "init_state", "loss_fn",
-    "make_optimizer", "make_train_step", "parse_config", "prepare", "train",
-]  # fmt: skip
+    "Hyper",
+    "TokenData",
+    "TrainState",
+    "eval_loss",
+    "init_state",
+    "loss_fn",
+    "make_optimizer",
+    "make_train_step",
+    "train",
+]

@@ -25,39 +25,7 @@ outlines-core unrolls recursive JSON schemas to a fixed depth instead.
   tables.py     pack -> ConstraintTables (padded to buckets), allowed, advance
 """
 
-from gpt2_jax.sampling.constraints.automaton import (
-    GPT2_EOS,
-    GPT2_VOCAB,
-    Automaton,
-    compile_constraint,
-    gpt2_vocabulary,
-    remember,
-)
-from gpt2_jax.sampling.constraints.spec import (
-    MAX_STATES,
-    Constraint,
-    ConstraintError,
-    choice,
-    escape,
-    estimate_states,
-    json_schema,
-    regex,
-)
-from gpt2_jax.sampling.constraints.tables import (
-    FREE,
-    MIN_C,
-    MIN_G,
-    MIN_Q,
-    ConstraintTables,
-    advance,
-    allowed,
-    bucket,
-    nbytes,
-    pack,
-)  # fmt: skip
+from gpt2_jax.sampling.constraints.automaton import compile_constraint
+from gpt2_jax.sampling.constraints.spec import Constraint, ConstraintError, choice, json_schema, regex
 
-__all__ = [
-    "FREE", "GPT2_EOS", "GPT2_VOCAB", "MAX_STATES", "MIN_C", "MIN_G", "MIN_Q", "Automaton", "Constraint", "ConstraintError",
-    "ConstraintTables", "advance", "allowed", "bucket", "choice", "compile_constraint", "escape",
-    "estimate_states", "gpt2_vocabulary", "json_schema", "nbytes", "pack", "regex", "remember",
-]  # fmt: skip
+__all__ = ["Constraint", "ConstraintError", "choice", "compile_constraint", "json_schema", "regex"]
