@@ -15,7 +15,7 @@ import urllib.request
 
 class Server:
     """`python -m gpt2_jax serve --port 0` (or `explain`, which also prints the page's URL on stdout) as a
-    subprocess; its stderr lines are kept (and the stdout lines of `explain`)."""
+    subprocess; its output lines (stderr merged into stdout) are kept."""
 
     def __init__(self, cache_dir, args=(), key=None, env=None, command="serve"):
         self.cache_dir, self.proc, self.port, self.lines = cache_dir, None, None, []
@@ -25,16 +25,12 @@ class Server:
         env = {**os.environ, "GPT2_JAX_COMPILATION_CACHE": str(self.cache_dir), **self.env}
         self.port, self.lines, self.ready = None, [], threading.Event()
         self.started = time.monotonic()
-        # serve: stderr read, stdout dropped; explain: stderr merged into stdout, which is read
-        out, err = (
-            (subprocess.DEVNULL, subprocess.PIPE) if self.command == "serve" else (subprocess.PIPE, subprocess.STDOUT)
-        )
         self.proc = subprocess.Popen([sys.executable, "-m", "gpt2_jax", self.command, "--port", "0", *self.args],
-                                     stdout=out, stderr=err, text=True, env=env)  # fmt: skip
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
         threading.Thread(target=self._read, args=(self.proc,), daemon=True).start()
 
     def _read(self, proc):
-        for line in proc.stderr if self.command == "serve" else proc.stdout:
+        for line in proc.stdout:
             self.lines.append(line)
             m = re.search(r"gpt2-jax serve: ready on http://127\.0\.0\.1:(\d+)", line)
             if m:

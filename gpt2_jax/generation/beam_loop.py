@@ -27,7 +27,7 @@ from gpt2_jax.generation.beam_hyps import BeamRules, Hyps, candidates, choose, s
 from gpt2_jax.generation.decode import DecodeState, Rules, feed, prefill
 from gpt2_jax.kernels.invariance import min_rows, pad_rows
 from gpt2_jax.model.params import Params
-from gpt2_jax.sampling.constraints.tables import advance
+from gpt2_jax.sampling.constraints import tables as automata
 from gpt2_jax.sampling.draw import log_probs
 from gpt2_jax.sampling.metadata import RowSettings
 from gpt2_jax.sampling.processors import apply_processors, update_state
@@ -78,7 +78,7 @@ def scores(d: DecodeState, rules: Rules, b: BeamRules, t, config: GPT2Config, W:
     stop, v = rules.stop, logp.shape[-1]
     tables = rules.constraint._replace(group=rows(rules.constraint.group))
     allowed = jax.lax.cond(jnp.any(d.automaton > 0),
-                           lambda: allowed(tables, d.automaton, rows(stop.eos_id)),
+                           lambda: automata.allowed(tables, d.automaton, rows(stop.eos_id)),
                            lambda: jnp.ones(logp.shape, bool))  # fmt: skip
     x = apply_processors(logp, jax.tree.map(rows, rules.processors), d.history, d.cache.lengths,
                          jnp.full(logp.shape[0], t, jnp.int32), rows(stop_ids(rules)), allowed)  # fmt: skip
@@ -109,7 +109,7 @@ def follow(params: Params, d: DecodeState, rules: Rules, parent: jax.Array, toke
     gather = lambda x: jnp.take(x, parent, axis=0)
     cache = d.cache._replace(k=jnp.take(d.cache.k, parent, axis=1), v=jnp.take(d.cache.v, parent, axis=1))
     history = update_state(jax.tree.map(gather, d.history), token, d.cache.lengths, jnp.ones(parent.shape, bool))
-    automaton = advance(tables, gather(d.automaton), token)
+    automaton = automata.advance(tables, gather(d.automaton), token)
     return feed(params, d._replace(cache=cache, history=history, automaton=automaton), token, config, hooks)
 
 
