@@ -156,21 +156,25 @@ def fill_after(out: Step, fill: jax.Array, made: jax.Array) -> Step:
     return out._replace(token=jnp.where(after, fill[:, None], out.token), logprob=jnp.where(after, 0.0, out.logprob))
 
 
-def decode_loop(
+@functools.partial(jax.jit, static_argnames=("config", "steps", "r", "hooks"), donate_argnames=("state",))
+def decode_chunk(
     params: Params,
     state: DecodeState,
     rules: Rules,
     limit: jax.Array,
     config: GPT2Config,
     steps: int,
-    r: int,
+    r: int = 0,
     hooks=None,
 ) -> tuple[DecodeState, Step, jax.Array]:
-    """Up to `limit` draws (at most `steps`), stopping early once every row is done -> (state, Steps with a
-    [B, steps] (or [B, steps, R]) leaf each, draws made). Steps never drawn hold the rows' fill and 0.
+    """Continue a prefilled state by up to `limit` <= steps draws, stopping early once every row is done ->
+    (state, Steps with a [B, steps] (or [B, steps, R]) leaf each, draws made). Steps never drawn hold the
+    rows' fill and 0. The host reads the steps and each row's done, generated and fill, so on a mesh those
+    come back whole on every device (and process).
 
     lax.while_loop has a run-time trip count, so the bucket's padding steps never run. (A lax.cond
-    inside a lax.scan would skip them too, but XLA then copies the whole KV cache every step.) Outputs are preallocated and written in place."""
+    inside a lax.scan would skip them too, but XLA then copies the whole KV cache every step.) Outputs are
+    preallocated and written in place."""
     B = state.logits.shape[0]
 
     def running(carry):
@@ -185,24 +189,7 @@ def decode_loop(
 
     out = empty_steps(B, steps, r)
     t, state, out = jax.lax.while_loop(running, step, (jnp.zeros((), jnp.int32), state, out))
-    return state, fill_after(out, state.fill, t), t  # steps never drawn because every row had stopped
-
-
-@functools.partial(jax.jit, static_argnames=("config", "steps", "r", "hooks"), donate_argnames=("state",))
-def decode_chunk(
-    params: Params,
-    state: DecodeState,
-    rules: Rules,
-    limit: jax.Array,
-    config: GPT2Config,
-    steps: int,
-    r: int = 0,
-    hooks=None,
-) -> tuple[DecodeState, Step, jax.Array]:
-    """Continue a prefilled state by up to `limit` <= steps draws -> (state, Steps [B, steps], draws made). The
-    host reads the steps and each row's done, generated and fill, so on a mesh those come back whole on
-    every device (and process)."""
-    state, out, t = decode_loop(params, state, rules, limit, config, steps, r, hooks)
+    out = fill_after(out, state.fill, t)  # steps never drawn because every row had stopped
     whole = replicate((state.done, state.generated, state.fill))
     return state._replace(done=whole[0], generated=whole[1], fill=whole[2]), replicate(out), t
 
