@@ -110,7 +110,7 @@ def main() -> None:
     import gpt2_jax
     from gpt2_jax import constraints as C
     from gpt2_jax.generation import decode_step, prefill, prepare
-    from gpt2_jax.generation.generator import DECODE_CHUNK
+    from gpt2_jax.generation.chunks import DECODE_CHUNK
     from gpt2_jax.model.params import param_bytes
     from gpt2_jax.sampling import sampling_rows
 
