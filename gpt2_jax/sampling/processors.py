@@ -23,7 +23,8 @@ Every setting is one traced value per row, and a row whose settings are off (bia
 penalties 0, n 0, no words, 0 min tokens, no constraint) gets its logits back bit for bit, so
 rows never affect each other. The state the processors read (the token history, output counts)
 is carried in the decode loop as a ProcessorState. process_logits runs them alone, outside the loop,
-on token lists (the settings packed per row by gpt2_jax.sampling.metadata).
+on token lists (the settings packed per row by gpt2_jax.sampling.metadata). Steps 4-6's masks are
+gpt2_jax.sampling.bans'.
 
 Shape legend: B batch, V vocab, S cache slots (positions), W banned words, M tokens per word,
 N logit-bias entries.
@@ -39,8 +40,8 @@ import numpy as np
 
 from gpt2_jax.compiling import pow2_bucket
 from gpt2_jax.errors import ConfigError
+from gpt2_jax.sampling.bans import bad_word_tokens, ban, early_stop_tokens, repeated_ngrams, token_mask
 from gpt2_jax.sampling.metadata import ProcessorSettings, processor_settings
-from gpt2_jax.sampling.params import MAX_NGRAM  # the static window of the history that banned n-grams read
 
 
 class ProcessorState(NamedTuple):
@@ -71,54 +72,6 @@ def apply_presence_frequency(
     """OpenAI's penalties over the output tokens: logits - frequency * count - presence * (count > 0)."""
     logits = logits - frequency[:, None] * counts.astype(jnp.float32)
     return logits - presence[:, None] * (counts > 0).astype(jnp.float32)
-
-
-def ban(logits: jax.Array, banned: jax.Array) -> jax.Array:
-    """-inf where banned [B, V]."""
-    return jnp.where(banned, -jnp.inf, logits)
-
-
-def _scatter_tokens(ids: jax.Array, hit: jax.Array, v: int) -> jax.Array:
-    """Token ids [B, J] where hit [B, J] -> [B, V] bool marking them (ids where ~hit are dropped)."""
-    rows = jnp.arange(ids.shape[0])[:, None]
-    return jnp.zeros((ids.shape[0], v), bool).at[rows, jnp.where(hit, ids, v)].set(True, mode="drop")
-
-
-def repeated_ngrams(history: jax.Array, length: jax.Array, n: jax.Array, v: int) -> jax.Array:
-    """transformers' NoRepeatNGramLogitsProcessor -> banned [B, V]: with the text history[:length] (history [B, S]),
-    a token t is banned when (last n-1 tokens, t) already occurs as an n-gram of the text. n [B], 0 = off."""
-    b, s = history.shape
-    i = jnp.arange(MAX_NGRAM - 1)
-    padded = jnp.concatenate([history, jnp.zeros((b, MAX_NGRAM), history.dtype)], axis=1)
-    tail = jnp.take_along_axis(padded, jnp.clip(length[:, None] - n[:, None] + 1 + i, 0, s - 1), axis=1)  # [B, n-1]
-    j = jnp.arange(s)
-    window = padded[:, j[:, None] + i[None, :]]  # [B, S, n-1]: the n-1 tokens starting at each j
-    same = (window == tail[:, None, :]) | (i >= n[:, None] - 1)[:, None, :]
-    # the n-gram starting at j must end inside the text: j + n - 1 < length
-    hit = same.all(-1) & (j[None, :] + n[:, None] <= length[:, None]) & (n[:, None] > 0)
-    last = jnp.take_along_axis(padded, jnp.clip(j[None, :] + n[:, None] - 1, 0, s - 1), axis=1)
-    return _scatter_tokens(last, hit, v)
-
-
-def bad_word_tokens(history: jax.Array, length: jax.Array, words: jax.Array, word_len: jax.Array, v: int) -> jax.Array:
-    """transformers' NoBadWordsLogitsProcessor -> banned [B, V]: a word's last token when the word's other
-    tokens (words [B, W, M], lengths [B, W]) end the text history[:length]; a one-token word always."""
-    b, w, m = words.shape
-    i = jnp.arange(m)
-    prefix = word_len[..., None] - 1  # [B, W, 1]
-    at = length[:, None, None] - prefix + i  # where token i of the prefix must sit
-    seen = jnp.take_along_axis(history, jnp.clip(at, 0, history.shape[1] - 1).reshape(b, -1), axis=1).reshape(b, w, m)
-    same = (seen == words) | (i >= prefix)
-    hit = same.all(-1) & (word_len > 0) & (length[:, None] >= prefix[..., 0])
-    last = jnp.take_along_axis(words, jnp.clip(word_len - 1, 0, m - 1)[..., None], axis=-1)[..., 0]
-    return _scatter_tokens(last, hit, v)
-
-
-def early_stop_tokens(generated: jax.Array, min_new: jax.Array, stop_ids: jax.Array, v: int) -> jax.Array:
-    """transformers' MinNewTokensLengthLogitsProcessor -> banned [B, V]: each row's stop ids [B, P] (its EOS
-    among them, -1 = unused) while it has generated fewer than min_new [B] tokens."""
-    early = (generated < min_new)[:, None] & (stop_ids >= 0)
-    return _scatter_tokens(stop_ids, early, v)
 
 
 def rows_in_use(p: ProcessorSettings, generated: jax.Array, stop_ids: jax.Array) -> jax.Array:
@@ -185,7 +138,7 @@ def init_state(prompts: jax.Array, lengths: jax.Array, capacity: int, v: int) ->
     b, p = prompts.shape
     history = jnp.zeros((b, capacity), jnp.int32).at[:, :p].set(prompts)
     real = jnp.arange(p)[None, :] < lengths[:, None]
-    return ProcessorState(history, _scatter_tokens(prompts, real, v), jnp.zeros((b, v), jnp.int32))
+    return ProcessorState(history, token_mask(prompts, real, v), jnp.zeros((b, v), jnp.int32))
 
 
 def update_state(state: ProcessorState, token: jax.Array, length: jax.Array, live: jax.Array) -> ProcessorState:
