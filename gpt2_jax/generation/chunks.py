@@ -7,6 +7,7 @@ tokens after the completing one are dropped later, by generate) or speculative r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -36,9 +37,19 @@ def encoding(tokenizer: Any = None) -> Any:
     return tokenizer
 
 
-def token_bytes(tokenizer: Any):
+def token_bytes(tokenizer: Any) -> Callable[[int], bytes]:
     """token id -> its bytes, for stop strings (the tokenizer given, else the gpt2 encoding)."""
     return encoding(tokenizer).decode_single_token_bytes
+
+
+def stop_matcher(stops: list, tokenizer: Any) -> StopMatcher:
+    """Each row's stop strings (stops[b]), matched on the host. The tokenizer loads only when some row has one:
+    without, the matcher never decodes a token."""
+    return StopMatcher(stops, token_bytes(tokenizer) if any(stops) else _no_bytes)
+
+
+def _no_bytes(token: int) -> bytes:
+    return b""
 
 
 def start(params: Params, config: GPT2Config, prep: Prepared) -> DecodeState:
@@ -57,7 +68,7 @@ def decode_chunks(
     completed. Speculative rounds (spec) run the same way."""
     batch, rules = prep.batch, prep.rules
     B = batch.rows
-    matcher = StopMatcher(prep.stops, token_bytes(tokenizer) if any(prep.stops) else None)
+    matcher = stop_matcher(prep.stops, tokenizer)
     state = start(params, config, prep)
     size = DECODE_CHUNK if matcher else batch.steps
     chunks, t = [], 0

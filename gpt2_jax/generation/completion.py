@@ -46,7 +46,7 @@ def completions(result: GenerateResult, enc: Any, stop_ids: list[set[int]]) -> l
             data = data[: data.find(stop.encode("utf-8"))]  # the first occurrence is the one that stopped the row
         logprobs = result.logprobs[b, :n].tolist() if result.logprobs is not None else None
         top = None
-        if result.top_ids is not None:
+        if result.top_ids is not None and result.top_logprobs is not None:
             top = [
                 dict(zip(ids.tolist(), lp.tolist()))
                 for ids, lp in zip(result.top_ids[b, :n], result.top_logprobs[b, :n])
@@ -72,5 +72,5 @@ def complete(params: Params, config: GPT2Config, prompts: str | list[str], key: 
     rows = settings_rows(sampling, len(ids), settings)
     result = generate(params, config, ids, key, sampling=rows, tokenizer=enc, draft=draft,
                       num_speculative_tokens=num_speculative_tokens, hooks=hooks)  # fmt: skip
-    ends = [set(r.stop_ids) | ({r.eos(config)} if r.eos(config) is not None else set()) for r in rows]
+    ends = [set(r.stop_ids) | ({eos} if (eos := r.eos(config)) is not None else set()) for r in rows]
     return completions(result, enc, ends)

@@ -22,11 +22,10 @@ import numpy as np
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import ConfigError
 from gpt2_jax.generation.batching import Prepared, as_prompts, prepare
-from gpt2_jax.generation.chunks import decode_chunks, encoding, start, token_bytes  # noqa: F401 (their old home)
+from gpt2_jax.generation.chunks import decode_chunks, encoding, start, stop_matcher, token_bytes  # noqa: F401 (their old home)
 from gpt2_jax.generation.decode import decode_chunk, decode_step, halt, prefill  # noqa: F401 (tests' imports)
 from gpt2_jax.generation.speculative import Speculator
 from gpt2_jax.generation.speculative.stream import stream_rounds
-from gpt2_jax.generation.stop_strings import StopMatcher
 from gpt2_jax.model.axes import on_mesh
 from gpt2_jax.model.params import Params
 from gpt2_jax.sampling.params import MAX_TOP_LOGPROBS, SamplingParams, sampling_rows
@@ -142,7 +141,7 @@ def generate_stream(params: Params, config: GPT2Config, prompts: Any, key: Any =
     rules = prep.rules if prep.mesh else jax.device_put(prep.rules)  # sent once, not at every step
     prep = prep._replace(rules=rules)
     limits = prep.max_new_tokens
-    matcher = StopMatcher(prep.stops, token_bytes(tokenizer) if any(prep.stops) else None)
+    matcher = stop_matcher(prep.stops, tokenizer)
     state = start(params, config, prep)
     if draft is not None:
         spec = _speculator(params, config, prep, draft, num_speculative_tokens, int(limits.max()))

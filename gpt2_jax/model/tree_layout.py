@@ -64,7 +64,7 @@ def from_tree(name: str, a: Any) -> Any:
 def flat_shapes(config: GPT2Config) -> dict[str, tuple[int, ...]]:
     """Every tensor of a checkpoint by its flat name (h.{i}.attn.c_attn.weight, ...) and shape."""
     d = config.n_embd
-    shapes = {"wte.weight": (config.vocab_size, d), "wpe.weight": (config.n_positions, d)}
+    shapes: dict[str, tuple[int, ...]] = {"wte.weight": (config.vocab_size, d), "wpe.weight": (config.n_positions, d)}
     for i in range(config.n_layer):
         shapes.update({f"h.{i}.{k}": s for k, s in layer_shapes(config).items()})
     shapes["ln_f.weight"] = (d,)

@@ -102,7 +102,7 @@ class SamplingParams:
 
     def eos(self, config: Any) -> int | None:
         """The EOS this row stops on, for this model: eos_id, or the checkpoint's for "config"."""
-        return config.eos_id if self.eos_id == "config" else self.eos_id
+        return config.eos_id if isinstance(self.eos_id, str) else self.eos_id  # the one str allowed: "config"
 
     def check(self, vocab: int, eos: int | None) -> None:
         """The checks that need the model: every token id (eos: this row's EOS, see `eos`) inside the vocab."""

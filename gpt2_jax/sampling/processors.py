@@ -169,8 +169,9 @@ def history_state(prompts: Any, outputs: Any, vocab: int) -> tuple[ProcessorStat
         history[b, : len(texts[b])] = [_token(t, vocab, "prompts/outputs") for t in texts[b]]
         in_prompt[b, list(p)] = True
         np.add.at(counts[b], list(o), 1)
-    return (ProcessorState(history, in_prompt, counts), np.array(list(map(len, texts)), np.int32),
-            np.array(list(map(len, outputs)), np.int32))  # fmt: skip
+    # numpy leaves, built on the host: jit takes them as it takes the loop's jax arrays
+    state = ProcessorState(history, in_prompt, counts)  # pyright: ignore[reportArgumentType]
+    return state, np.array(list(map(len, texts)), np.int32), np.array(list(map(len, outputs)), np.int32)
 
 
 _process_jit = jax.jit(apply_processors)

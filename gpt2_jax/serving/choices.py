@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from collections.abc import AsyncGenerator
+from typing import Any, cast
 
 import jax
 from fastapi.responses import StreamingResponse
@@ -53,12 +54,14 @@ class Job:
         """Make and queue every row (a worker thread). All or none: a refusal cancels the rows queued."""
         plan = self.plan
         try:
+            requests = []
             for c in self.choices:
                 c.request = Request(plan.prompts[c.prompt_index], plan.sampling, row_key(plan.seed, c.index),
                                     self._callback(c.index), seed=plan.seed)  # fmt: skip
                 c.request.prepared = engine.check(c.request)  # every row validated before any is queued
-            for c in self.choices:
-                engine.submit(c.request)
+                requests.append(c.request)
+            for request in requests:
+                engine.submit(request)
             if not engine.running:  # stopped while we queued: nobody will answer
                 raise Cancelled("the server is shutting down")
         except BaseException:
@@ -156,4 +159,4 @@ class EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.job.cancel()
-            await self.body_iterator.aclose()
+            await cast(AsyncGenerator, self.body_iterator).aclose()  # the job's event generator

@@ -44,10 +44,11 @@ def check_settings(config: GPT2Config, max_batch: int, max_queue: int, max_seq: 
 
 def automaton(request: Request, config: GPT2Config) -> Any:
     """The request's constraint as an automaton over the vocabulary, or None when it has none."""
-    c = request.sampling.constraint
+    c, eos = request.sampling.constraint, request.sampling.eos(config)
     if c is None:
         return None
-    return constraints.compile_constraint(c, config.vocab_size, request.sampling.eos(config))
+    assert eos is not None, "checked by prepare: a constraint needs an EOS (SamplingParams.check)"
+    return constraints.compile_constraint(c, config.vocab_size, eos)
 
 
 def check_request(params: Params, config: GPT2Config, request: Request, max_seq: int, max_constraint_states: int,

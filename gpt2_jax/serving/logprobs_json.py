@@ -30,5 +30,6 @@ def prompt_logprobs(params: Any, config: Any, ids: list[int], top_n: int) -> tup
     """A prompt's echo: (logprobs, top) per prompt token, the first None, from gpt2_jax's scoring, so each is the
     logprob generate would report had it sampled that token there (lm-eval's loglikelihood), bit for bit."""
     scores = score_prompts(params, config, [ids], max(top_n, 1))
+    assert scores.top_ids is not None and scores.top_logprobs is not None, "asked for at least one"
     tops = [None] + [(i[:top_n], v[:top_n]) for i, v in zip(scores.top_ids[0][1:], scores.top_logprobs[0][1:])]
     return scores.logprobs[0], tops

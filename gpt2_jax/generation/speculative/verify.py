@@ -73,6 +73,7 @@ def speculate_round(params: Params, draft_params: Params | None, state: DecodeSt
     if draft_config is None:
         guess = prompt_lookup(s.history.history, base + 1, k)
     else:
+        assert draft_params is not None and dcache is not None, "a draft model comes with its params and cache"
         prev = s.history.history[rows, base - 1]
         guess, dcache = draft_propose(draft_params, dcache, prev, step0.token, base - 1, k, draft_config)
     logits, cache = forward_cached(params, jnp.concatenate([step0.token[:, None], guess], 1), state.cache, config,
@@ -81,7 +82,8 @@ def speculate_round(params: Params, draft_params: Params | None, state: DecodeSt
     def check(carry, xs):
         s, ok, kept = carry
         logits_j, guess_j, j = xs
-        view = s._replace(logits=logits_j, cache=KVCache(None, None, base + j))  # draw reads only the lengths
+        # draw reads only the lengths: the view holds no K/V (None), so the scan carries no cache
+        view = s._replace(logits=logits_j, cache=KVCache(None, None, base + j))  # pyright: ignore[reportArgumentType]
         sj, step = draw(view, rules, config.valid_vocab, r)
         take = ok & (step.token == guess_j) & (state.generated + j < until)
         return (_commit(take, sj, s), take & ~sj.done, kept + take), step
