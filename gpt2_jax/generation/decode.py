@@ -10,7 +10,7 @@ Shape legend: B rows, V vocab, S cache slots, N steps, R top-logprob entries.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +26,9 @@ from gpt2_jax.sampling.draw import log_probs
 from gpt2_jax.sampling.processors import ProcessorSettings, ProcessorState, apply_processors
 from gpt2_jax.sampling.processors import init_state as init_processor_state
 from gpt2_jax.sampling.processors import update_state as update_processor_state
+
+if TYPE_CHECKING:  # shapes as annotations only: jaxtyping is not a runtime dependency
+    from jaxtyping import Array, Bool, Int
 
 
 class StopRule(NamedTuple):
@@ -149,7 +152,7 @@ def empty_steps(B: int, steps: int, r: int) -> Step:
     return Step(jnp.zeros((B, steps), jnp.int32), jnp.zeros((B, steps)), zeros.astype(jnp.int32), zeros)
 
 
-def fill_after(out: Step, fill: jax.Array, made: jax.Array) -> Step:
+def fill_after(out: Step, fill: Int[Array, " B"], made: Int[Array, "*B"]) -> Step:
     """Steps [B, steps] with every step from made (a scalar, or [B] per row) on holding the row's fill [B]
     and logprob 0: the steps a loop never drew."""
     after = jnp.arange(out.token.shape[1])[None, :] >= jnp.reshape(made, (-1, 1))
@@ -195,7 +198,7 @@ def decode_chunk(
 
 
 @jax.jit
-def halt(state: DecodeState, rows: jax.Array, eos_id: jax.Array) -> DecodeState:
+def halt(state: DecodeState, rows: Bool[Array, " B"], eos_id: Int[Array, " B"]) -> DecodeState:
     """Stop rows [B] bool (a stop string completed, a row's own max_new_tokens reached): they emit their fill
     (their EOS eos_id [B], else their last token) from now on."""
     last = state.history.history[jnp.arange(rows.shape[0]), state.cache.lengths - 1]

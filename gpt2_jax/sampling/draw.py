@@ -162,7 +162,7 @@ def log_probs(logits: jax.Array) -> jax.Array:
     return jax.nn.log_softmax(pad_rows(logits.astype(jnp.float32), min_rows(b, v)), axis=-1)[:b]
 
 
-def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+def token_logprobs(logits: Float[Array, "B V"], tokens: Int[Array, " B"]) -> Float[Array, " B"]:
     """log p(token) [B] under the raw logits [B, V] (no temperature or filters), rounded alike for 1 row or many."""
     return jnp.take_along_axis(log_probs(logits), tokens[:, None], axis=-1)[:, 0]
 

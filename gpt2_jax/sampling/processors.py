@@ -32,7 +32,7 @@ N logit-bias entries.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +43,9 @@ from gpt2_jax.errors import ConfigError
 from gpt2_jax.sampling.bans import bad_word_tokens, ban, early_stop_tokens, repeated_ngrams, token_mask
 from gpt2_jax.sampling.metadata import ProcessorSettings, processor_settings
 
+if TYPE_CHECKING:  # shapes as annotations only: jaxtyping is not a runtime dependency
+    from jaxtyping import Array, Bool, Float, Int
+
 
 class ProcessorState(NamedTuple):
     """What the processors read, updated after every draw."""
@@ -52,14 +55,17 @@ class ProcessorState(NamedTuple):
     counts: jax.Array  # [B, V] int32: times the token was generated
 
 
-def apply_logit_bias(logits: jax.Array, ids: jax.Array, bias: jax.Array) -> jax.Array:
+def apply_logit_bias(
+    logits: Float[Array, "B V"], ids: Int[Array, "B N"], bias: Float[Array, "B N"]
+) -> Float[Array, "B V"]:
     """[B, V] + bias [B, N] at token ids [B, N]. Entries with bias 0 (unused ones among them) are dropped, not
     added: -0.0 + 0.0 would turn a logit of -0.0 into +0.0."""
     rows = jnp.arange(logits.shape[0])[:, None]
     return logits.at[rows, jnp.where(bias != 0, ids, logits.shape[-1])].add(bias, mode="drop")
 
 
-def apply_repetition_penalty(logits: jax.Array, seen: jax.Array, theta: jax.Array) -> jax.Array:
+def apply_repetition_penalty(logits: Float[Array, "B V"], seen: Bool[Array, "B V"],
+                             theta: Float[Array, " B"]) -> Float[Array, "B V"]:  # fmt: skip
     """transformers' RepetitionPenaltyLogitsProcessor: a seen token's logit [B, V] (seen [B, V]) is divided
     by theta [B] when positive, multiplied when negative; theta 1 leaves every bit as it was."""
     t = theta[:, None]
@@ -133,7 +139,7 @@ def _process(logits, p, state, length, generated, stop_ids, allowed):
     return jnp.where(stuck, ban(x, ~allowed), out)
 
 
-def init_state(prompts: jax.Array, lengths: jax.Array, capacity: int, v: int) -> ProcessorState:
+def init_state(prompts: Int[Array, "B P"], lengths: Int[Array, " B"], capacity: int, v: int) -> ProcessorState:
     """Right-padded prompts [B, P], lengths [B] -> the state before the first draw (history of S slots)."""
     b, p = prompts.shape
     history = jnp.zeros((b, capacity), jnp.int32).at[:, :p].set(prompts)
@@ -141,7 +147,8 @@ def init_state(prompts: jax.Array, lengths: jax.Array, capacity: int, v: int) ->
     return ProcessorState(history, token_mask(prompts, real, v), jnp.zeros((b, v), jnp.int32))
 
 
-def update_state(state: ProcessorState, token: jax.Array, length: jax.Array, live: jax.Array) -> ProcessorState:
+def update_state(state: ProcessorState, token: Int[Array, " B"], length: Int[Array, " B"],
+                 live: Bool[Array, " B"]) -> ProcessorState:  # fmt: skip
     """Record the drawn tokens [B] at positions length [B]; rows that are not live [B] (stopped) keep theirs."""
     rows = jnp.arange(token.shape[0])
     s, v = state.history.shape[1], state.counts.shape[1]
