@@ -180,11 +180,11 @@ def engine(rng, params, config) -> str:
     B, S = int(rng.integers(1, 9)), int(rng.choice([32, 64, 128, config.n_positions]))
     e = Engine(params, config, max_batch=B, max_seq=min(S, config.n_positions))
     keys: list = []
-    compiling = threading.Thread(target=lambda: keys.extend(e.compile() or []), name="engine.compile")
+    compiling = threading.Thread(target=lambda: keys.extend(e.programs.compile() or []), name="engine.compile")
     compiling.start()
     other = generate(rng, params, config)  # compiles on this thread meanwhile
     compiling.join()
-    return f"Engine(max_batch={B}, max_seq={e.max_seq}).compile() [{len(keys)} programs] + {other}"
+    return f"Engine(max_batch={B}, max_seq={e.max_seq}).programs.compile() [{len(keys)} programs] + {other}"
 
 
 def sharded(rng, params, config) -> str:

@@ -8,8 +8,7 @@ import pytest
 from gpt2_jax import BUNDLED_MODEL, ConfigError, SamplingParams, generate, load, tokenizer
 from gpt2_jax.sampling import constraints
 from gpt2_jax.serving import Engine
-from gpt2_jax.serving.engine import Cancelled, QueueFull, Request
-from gpt2_jax.serving.engine_programs import Decode
+from gpt2_jax.serving.slots import Cancelled, QueueFull, Request
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +66,7 @@ def test_random_arrivals_share_slots_and_each_request_equals_generate_alone(mode
                 dict(constraint=constraints.regex(" [0-9]{1,3}")), dict(no_repeat_ngram_size=2, logit_bias={13: 5.0}),
                 dict(constraint=constraints.choice(["aye", "nay"]))]  # fmt: skip
     engine = Engine(params, config, max_batch=3, max_queue=8, max_seq=96)
-    engine.compile()  # every program ahead (else the first requests wait for theirs: fine, but not step-countable)
+    engine.programs.compile()  # every program ahead (else the first requests wait for theirs: fine, but not step-countable)
     pending = []
     for i, (text, options) in enumerate(zip(texts, settings)):
         req, rec = request(enc.encode(text), int(rng.integers(4, 17)), 40 + i, options)  # <= 16: one step bucket
@@ -91,7 +90,7 @@ def test_random_arrivals_share_slots_and_each_request_equals_generate_alone(mode
 def test_cancel_frees_the_slot_and_the_next_request_is_unaffected(model):
     params, config, enc = model
     engine = Engine(params, config, max_batch=1, max_queue=2, max_seq=64)
-    engine.compile()
+    engine.programs.compile()
     first, rec1 = request(enc.encode("ROMEO:"), 40, 1, {})
     second, rec2 = request(enc.encode("JULIET:"), 12, 2, dict(temperature=0.7))
     second.seed = 2
@@ -109,7 +108,7 @@ def test_cancel_frees_the_slot_and_the_next_request_is_unaffected(model):
 def test_a_full_queue_is_refused_and_bad_requests_fail_alone(model):
     params, config, enc = model
     engine = Engine(params, config, max_batch=1, max_queue=1, max_seq=64)
-    engine.compile()
+    engine.programs.compile()
     a, _ = request(enc.encode("A"), 4, 1, {})
     b, _ = request(enc.encode("B"), 4, 2, {})
     engine.submit(a)
@@ -126,7 +125,7 @@ def test_a_full_queue_is_refused_and_bad_requests_fail_alone(model):
         raise RuntimeError("a client callback failed")
 
     engine = Engine(params, config, max_batch=2, max_queue=2, max_seq=64)
-    engine.compile()
+    engine.programs.compile()
     bad = Request(enc.encode("F"), SamplingParams(max_new_tokens=8), jax.random.key(0), explode)
     good, rec = request(enc.encode("G"), 8, 6, dict(temperature=0.9))
     good.seed = 6
@@ -159,11 +158,11 @@ def test_a_stopped_engine_is_freed_with_its_threads(model):
     # ident for the next thread, which then looked as if it had been there before.
     before = set(threading.enumerate())
     engine = Engine(params, config, max_batch=2, max_queue=2, max_seq=64).start()
-    engine.programs.wait([k for k in engine.essential() if not engine.want(k, 0.0)])
+    engine.programs.wait(engine.programs.essential())
     alive = weakref.ref(engine)
     assert {t.name for t in threading.enumerate() if t not in before} >= {"gpt2-jax-engine", "gpt2-jax-compiler"}
     engine.stop()
-    compiler = engine.programs.thread
+    compiler = engine.programs.compiler.thread
     compiler.join(timeout=600)  # it ends once the program it is building is done: a minute or more on a busy machine
     assert not compiler.is_alive()
     del engine, compiler
@@ -188,14 +187,14 @@ def test_warm_up_freezes_the_heap_the_idle_engine_refreezes_and_stop_thaws(model
     try:
         warm_up(engine, constrained=False, echo=False)
         assert len(gc.get_objects()) < 10_000 < gc.get_freeze_count()
-        built = len(engine.programs.built)
-        engine.programs.wait([Decode(1, top=True)] if not engine.want(Decode(1, top=True)) else [])
+        built = engine.programs.built()
+        engine.programs.wait([engine.programs.want_decode(1, top=True)])
         req, rec = request(enc.encode("ROMEO:"), 4, 0, {}, top=2)  # runs the decode step built since warm_up
         engine.submit(req)
         deadline = time.monotonic() + 120
-        while engine.frozen_programs != len(engine.programs.built) and time.monotonic() < deadline:
+        while engine.frozen_programs != engine.programs.built() and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert len(engine.programs.built) > built and engine.frozen_programs == len(engine.programs.built)
+        assert engine.programs.built() > built and engine.frozen_programs == engine.programs.built()
         assert rec.end is not None and len(gc.get_objects()) < 10_000
     finally:
         engine.stop()
@@ -218,8 +217,10 @@ def test_no_request_stalls_the_others_while_its_programs_or_its_constraint_compi
     engine = Engine(params, config, max_batch=4, max_queue=4, max_seq=256)
     # The essential programs and every decode-step size (so the three streams start together); the larger prompt
     # chunks are left to compile while the test runs.
-    steps = [Decode(r) for r in engine.row_buckets()]
-    engine.programs.wait([k for k in engine.essential() + steps if not engine.want(k, 0.0)])
+    essential = engine.programs.essential()
+    engine.programs.wait(
+        essential + [engine.programs.want_decode(r, priority=0.0) for r in engine.programs.row_buckets()]
+    )
     compiler = ConstraintCompiler(timeout=120).start()
     compiles = []  # (thread, event) of every XLA compile from here on
     listen = lambda event, duration, **_: compiles.append((threading.get_ident(), event))

@@ -83,7 +83,7 @@ def test_shared_prefixes_chunked_prefill_and_eviction_keep_every_request_equal_t
                 dict(temperature=1.1, min_p=0.05, frequency_penalty=0.5), dict(top_logprobs=3),
                 dict(constraint=constraints.regex("[0-9]{2,4}"), temperature=0.7)]  # fmt: skip
     engine = Engine(params, config, max_batch=4, max_queue=32, max_seq=640, num_blocks=13, prefill_chunk=48)
-    engine.compile()
+    engine.programs.compile()
     reqs = []
     for i, p in enumerate(prompts):
         opts = settings[i % len(settings)]
@@ -101,7 +101,7 @@ def test_shared_prefixes_chunked_prefill_and_eviction_keep_every_request_equal_t
     # The last request again, on a fresh engine (no cached blocks, its prompt in one go of 1 chunk per 512).
     _, req, rec = reqs[-1]
     fresh = Engine(params, config, max_batch=1, max_queue=1, max_seq=640, prefill_chunk=512)
-    fresh.compile()
+    fresh.programs.compile()
     again, rec2 = request(req.prompt, req.seed, **{f: getattr(req.sampling, f) for f in ("max_new_tokens",
                           "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty")})  # fmt: skip
     run(fresh, [(0, again)])
@@ -119,7 +119,7 @@ def test_rows_are_bounded_by_blocks_not_by_max_seq(model):
     params, config = model
     engine = Engine(params, config, max_batch=32, max_queue=64)
     assert engine.num_blocks == 8 * 8 + 1
-    engine.compile()
+    engine.programs.compile()
     rng = np.random.default_rng(1)
     reqs = [request(rng.integers(0, 50000, 100).tolist(), i, max_new_tokens=150, temperature=0.9) for i in range(32)]
     big, big_rec = request(rng.integers(0, 50000, 900).tolist(), 99, max_new_tokens=100)  # 8 blocks

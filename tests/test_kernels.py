@@ -89,6 +89,7 @@ def test_gradient_is_the_matmul_gradient():
 _AVX2_SCRIPT = """
 import sys, numpy as np
 from gpt2_jax import kernels
+from gpt2_jax.kernels.ffi import chain, rowdot, rowdot_int8
 assert kernels.available() == "avx2", kernels.available()
 rng = np.random.default_rng(3)
 x = rng.standard_normal((19, 770), np.float32); w = rng.standard_normal((37, 770), np.float32)
@@ -117,7 +118,7 @@ def test_the_avx2_path_rounds_exactly_like_the_avx512_path(tmp_path):
 
 _ONE_ROW_SCRIPT = """
 import sys, numpy as np
-from gpt2_jax import kernels
+from gpt2_jax.kernels.ffi import rowdot, rowdot_int8
 rng = np.random.default_rng(6)
 x = rng.standard_normal((2, 770), np.float32); w = rng.standard_normal((37, 770), np.float32)
 q = rng.integers(-127, 128, (37, 770), dtype=np.int8); s = rng.uniform(1e-3, 1e-1, 37).astype(np.float32)
@@ -240,8 +241,7 @@ def test_rowdot_int8_gives_a_row_with_a_nan_nan_outputs_and_leaves_the_others():
 
 _INT8_SCRIPT = """
 import sys, numpy as np
-from gpt2_jax import kernels
-from gpt2_jax.kernels.ffi import Entry, Paged, chain, int8_isa, rowdot, rowdot_int8, softmax
+from gpt2_jax.kernels.ffi import int8_isa, rowdot_int8
 assert int8_isa() == sys.argv[2], int8_isa()
 rng = np.random.default_rng(4)
 for K, path in ((3100, sys.argv[1]), (3072, sys.argv[3])):  # a K tail; a K that AMX's tiles take
@@ -283,7 +283,7 @@ def test_every_int8_instruction_set_gives_the_reference_bits(tmp_path, isa):
 
 def test_model_matmuls_go_through_rowdot():
     """layers.matmul on float32 operands is the kernel (its bits), for one row as for many."""
-    from gpt2_jax.model.layers import matmul
+    from gpt2_jax.model.invariant import matmul
 
     rng = np.random.default_rng(4)
     x = rng.standard_normal((2, 3, 768), np.float32)
@@ -298,7 +298,7 @@ def test_model_matmuls_go_through_rowdot():
 def test_without_the_kernel_matmul_is_xla_in_its_row_count_independent_form(monkeypatch):
     """The fallback (no compiler at install, or a CPU without AVX2): XLA's matmul, with fewer than
     XLA_MIN_ROWS rows padded, still gives a row the same bits alone as among others."""
-    from gpt2_jax.model.layers import matmul
+    from gpt2_jax.model.invariant import matmul
 
     monkeypatch.setattr(kernels.ffi, "_REGISTERED", False)
     assert kernels.available() is None
@@ -315,7 +315,7 @@ def test_bfloat16_matmul_gives_a_row_the_same_bits_for_any_row_count():
     """bfloat16 weights run on XLA's matmul (not the float32 kernels). On a Xeon with AMX its bfloat16 kernel
     rounds 1 and 2 rows differently from 3 or more (seen 2026-12-02: the served bundled model's logprobs
     then changed with the number of busy slots), so fewer than XLA_MIN_ROWS rows are padded."""
-    from gpt2_jax.model.layers import XLA_MIN_ROWS, matmul
+    from gpt2_jax.model.invariant import XLA_MIN_ROWS, matmul
 
     rng = np.random.default_rng(7)
     x = jnp.asarray(rng.standard_normal((64, 128)), jnp.bfloat16)
@@ -333,7 +333,7 @@ def test_without_the_kernels_on_the_cpu_a_warning_says_so_once(monkeypatch):
     and how to build them."""
     import warnings
 
-    from gpt2_jax.model.layers import matmul
+    from gpt2_jax.model.invariant import matmul
 
     monkeypatch.setattr(kernels.ffi, "_REGISTERED", False)
     monkeypatch.setattr(kernels.ffi, "_WARNED", False)
@@ -452,7 +452,7 @@ _PAGED_SCRIPT = """
 import sys
 import numpy as np
 import jax, jax.numpy as jnp
-from gpt2_jax.kernels import Paged, chain
+from gpt2_jax.kernels.ffi import Paged, chain
 
 rng = np.random.default_rng(11)
 L, N, H, K, C, B, M, T = 2, 9, 3, 64, 128, 3, 4, 5

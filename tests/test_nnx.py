@@ -12,8 +12,8 @@ from flax import nnx
 import gpt2_jax
 from gpt2_jax.errors import CheckpointError, ConfigError, InputError
 from gpt2_jax.model import apply
-from gpt2_jax.model.layers import matmul
-from gpt2_jax.model.params import dotted
+from gpt2_jax.model.invariant import matmul
+from gpt2_jax.model.tree_layout import dotted
 from gpt2_jax.nnx import GPT2LMHead, params_of
 from gpt2_jax.nnx.tree import Block
 from gpt2_jax.parallel.sharding import make_mesh

@@ -77,7 +77,7 @@ def test_packed_rows_are_the_weights_rows_and_nan_for_a_bad_id():
 _ISA_SCRIPT = """
 import sys, numpy as np
 from gpt2_jax import kernels
-from gpt2_jax.kernels.packed import Packed, pack, rowdot_packed
+from gpt2_jax.kernels.packed import pack, rowdot_packed
 from tests.test_packed import weights
 assert kernels.available() == sys.argv[2][:6], kernels.available()
 w = weights((300, 256)); p = pack(w)

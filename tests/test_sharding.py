@@ -14,7 +14,8 @@ import gpt2_jax
 from gpt2_jax.checkpoints import native as checkpoint
 from gpt2_jax.cli import main
 from gpt2_jax.errors import ConfigError
-from gpt2_jax.generation.generator import generate, generate_stream, prefill
+from gpt2_jax.generation.decode import prefill
+from gpt2_jax.generation.generator import generate, generate_stream
 from gpt2_jax.model.gpt2 import _forward
 from gpt2_jax.model.params import stack_layers, unstack_layers
 from gpt2_jax.parallel.sharding import make_mesh, on_mesh, param_shardings, parse_mesh, shard_params

@@ -21,8 +21,9 @@ from gpt2_jax.checkpoints.host_buffers import host_buffer, prefetching
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import CheckpointError, GPT2JaxError
 from gpt2_jax.model.checks import check_tree
-from gpt2_jax.model.params import Params, _set, dotted, stack_layers, unstack_layers
+from gpt2_jax.model.params import Params, _set, stack_layers, unstack_layers
 from gpt2_jax.model.precision import drop_row_sums
+from gpt2_jax.model.tree_layout import dotted
 
 CONFIG_FILE = "gpt2_jax.json"
 PARAMS_DIR = "params"

@@ -21,7 +21,8 @@ from gpt2_jax.checkpoints.host_buffers import prefetching
 from gpt2_jax.checkpoints.lazy import Index, Lazy, then, transposed
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.model.checks import check_flat
-from gpt2_jax.model.params import _LINEAR_WEIGHTS, Params, _set, layer_shapes, tree_shape
+from gpt2_jax.model.params import Params, _set, layer_shapes, tree_shape
+from gpt2_jax.model.tree_layout import _LINEAR_WEIGHTS
 
 CHUNK_BYTES = 4 << 20  # per copy: small enough to stay in the allocator's warm memory
 

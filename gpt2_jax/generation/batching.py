@@ -20,9 +20,10 @@ from gpt2_jax.model.attention import KEY_BLOCK
 from gpt2_jax.model.axes import data_size, mesh_of
 from gpt2_jax.model.params import Params
 from gpt2_jax.sampling import constraints
+from gpt2_jax.sampling.checks import MAX_STOP_IDS
 from gpt2_jax.sampling.constraints.tables import pack
 from gpt2_jax.sampling.metadata import pack_processors, pack_settings, row_keys
-from gpt2_jax.sampling.params import MAX_STOP_IDS, SamplingParams
+from gpt2_jax.sampling.params import SamplingParams
 
 MIN_BUCKET = 16
 

@@ -27,7 +27,8 @@ from gpt2_jax.generation.batching import as_prompts, prepare
 from gpt2_jax.generation.beam_hyps import BeamRules
 from gpt2_jax.generation.beam_loop import search
 from gpt2_jax.model.params import Params
-from gpt2_jax.sampling.params import MAX_STOP_IDS, SamplingParams, sampling_rows
+from gpt2_jax.sampling.checks import MAX_STOP_IDS
+from gpt2_jax.sampling.params import SamplingParams, sampling_rows
 
 MAX_BEAMS = 64
 

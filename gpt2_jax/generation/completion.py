@@ -10,9 +10,10 @@ from typing import Any, NamedTuple
 
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import InputError
-from gpt2_jax.generation.generator import GenerateResult, encoding, generate
+from gpt2_jax.generation.chunks import encoding
+from gpt2_jax.generation.generator import GenerateResult, generate, settings_rows
 from gpt2_jax.model.params import Params
-from gpt2_jax.sampling.params import SamplingParams, sampling_rows
+from gpt2_jax.sampling.params import SamplingParams
 
 
 class Completion(NamedTuple):
@@ -46,7 +47,7 @@ def completions(result: GenerateResult, enc: Any, stop_ids: list[set[int]]) -> l
             data = data[: data.find(stop.encode("utf-8"))]  # the first occurrence is the one that stopped the row
         logprobs = result.logprobs[b, :n].tolist() if result.logprobs is not None else None
         top = None
-        if result.top_ids is not None:
+        if result.top_ids is not None and result.top_logprobs is not None:
             top = [
                 dict(zip(ids.tolist(), lp.tolist()))
                 for ids, lp in zip(result.top_ids[b, :n], result.top_logprobs[b, :n])
@@ -56,19 +57,9 @@ def completions(result: GenerateResult, enc: Any, stop_ids: list[set[int]]) -> l
     return out
 
 
-def complete(
-    params: Params,
-    config: GPT2Config,
-    prompts: str | list[str],
-    key: Any = None,
-    *,
-    sampling: SamplingParams | list[SamplingParams] | None = None,
-    tokenizer: Any = None,
-    draft: Any = None,
-    num_speculative_tokens: int = 4,
-    hooks: Any = None,
-    **settings: Any,
-) -> list[Completion]:
+def complete(params: Params, config: GPT2Config, prompts: str | list[str], key: Any = None, *,
+             sampling: SamplingParams | list[SamplingParams] | None = None, tokenizer: Any = None, draft: Any = None,
+             num_speculative_tokens: int = 4, hooks: Any = None, **settings: Any) -> list[Completion]:  # fmt: skip
     """Prompt texts (one string or a list) -> one Completion per prompt. sampling and the keyword settings are
     generate's (max_new_tokens=40, stop=["\\n\\n"], constraint=..., top_logprobs=N, ...); in the keyword form
     logprobs are returned unless logprobs=False."""
@@ -79,10 +70,8 @@ def complete(
     ids = [enc.encode(t, allowed_special={"<|endoftext|>"}) or [enc.eot_token] for t in texts]
     if sampling is None and "logprobs" not in settings and "return_logprobs" not in settings:
         settings["logprobs"] = True
-    if "return_logprobs" in settings:
-        settings["logprobs"] = settings.pop("return_logprobs")
-    rows = sampling_rows(sampling, len(ids), settings)
+    rows = settings_rows(sampling, len(ids), settings)
     result = generate(params, config, ids, key, sampling=rows, tokenizer=enc, draft=draft,
                       num_speculative_tokens=num_speculative_tokens, hooks=hooks)  # fmt: skip
-    ends = [set(r.stop_ids) | ({r.eos(config)} if r.eos(config) is not None else set()) for r in rows]
+    ends = [set(r.stop_ids) | ({eos} if (eos := r.eos(config)) is not None else set()) for r in rows]
     return completions(result, enc, ends)

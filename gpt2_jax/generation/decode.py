@@ -10,7 +10,7 @@ Shape legend: B rows, V vocab, S cache slots, N steps, R top-logprob entries.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +26,9 @@ from gpt2_jax.sampling.metadata import RowSettings
 from gpt2_jax.sampling.processors import ProcessorSettings, ProcessorState, apply_processors
 from gpt2_jax.sampling.processors import init_state as init_processor_state
 from gpt2_jax.sampling.processors import update_state as update_processor_state
+
+if TYPE_CHECKING:  # shapes as annotations only: jaxtyping is not a runtime dependency
+    from jaxtyping import Array, Bool, Int
 
 
 class StopRule(NamedTuple):
@@ -149,28 +152,32 @@ def empty_steps(B: int, steps: int, r: int) -> Step:
     return Step(jnp.zeros((B, steps), jnp.int32), jnp.zeros((B, steps)), zeros.astype(jnp.int32), zeros)
 
 
-def fill_after(out: Step, fill: jax.Array, made: jax.Array) -> Step:
+def fill_after(out: Step, fill: Int[Array, " B"], made: Int[Array, "*B"]) -> Step:
     """Steps [B, steps] with every step from made (a scalar, or [B] per row) on holding the row's fill [B]
     and logprob 0: the steps a loop never drew."""
     after = jnp.arange(out.token.shape[1])[None, :] >= jnp.reshape(made, (-1, 1))
     return out._replace(token=jnp.where(after, fill[:, None], out.token), logprob=jnp.where(after, 0.0, out.logprob))
 
 
-def decode_loop(
+@functools.partial(jax.jit, static_argnames=("config", "steps", "r", "hooks"), donate_argnames=("state",))
+def decode_chunk(
     params: Params,
     state: DecodeState,
     rules: Rules,
     limit: jax.Array,
     config: GPT2Config,
     steps: int,
-    r: int,
+    r: int = 0,
     hooks=None,
 ) -> tuple[DecodeState, Step, jax.Array]:
-    """Up to `limit` draws (at most `steps`), stopping early once every row is done -> (state, Steps with a
-    [B, steps] (or [B, steps, R]) leaf each, draws made). Steps never drawn hold the rows' fill and 0.
+    """Continue a prefilled state by up to `limit` <= steps draws, stopping early once every row is done ->
+    (state, Steps with a [B, steps] (or [B, steps, R]) leaf each, draws made). Steps never drawn hold the
+    rows' fill and 0. The host reads the steps and each row's done, generated and fill, so on a mesh those
+    come back whole on every device (and process).
 
     lax.while_loop has a run-time trip count, so the bucket's padding steps never run. (A lax.cond
-    inside a lax.scan would skip them too, but XLA then copies the whole KV cache every step.) Outputs are preallocated and written in place."""
+    inside a lax.scan would skip them too, but XLA then copies the whole KV cache every step.) Outputs are
+    preallocated and written in place."""
     B = state.logits.shape[0]
 
     def running(carry):
@@ -185,30 +192,13 @@ def decode_loop(
 
     out = empty_steps(B, steps, r)
     t, state, out = jax.lax.while_loop(running, step, (jnp.zeros((), jnp.int32), state, out))
-    return state, fill_after(out, state.fill, t), t  # steps never drawn because every row had stopped
-
-
-@functools.partial(jax.jit, static_argnames=("config", "steps", "r", "hooks"), donate_argnames=("state",))
-def decode_chunk(
-    params: Params,
-    state: DecodeState,
-    rules: Rules,
-    limit: jax.Array,
-    config: GPT2Config,
-    steps: int,
-    r: int = 0,
-    hooks=None,
-) -> tuple[DecodeState, Step, jax.Array]:
-    """Continue a prefilled state by up to `limit` <= steps draws -> (state, Steps [B, steps], draws made). The
-    host reads the steps and each row's done, generated and fill, so on a mesh those come back whole on
-    every device (and process)."""
-    state, out, t = decode_loop(params, state, rules, limit, config, steps, r, hooks)
+    out = fill_after(out, state.fill, t)  # steps never drawn because every row had stopped
     whole = replicate((state.done, state.generated, state.fill))
     return state._replace(done=whole[0], generated=whole[1], fill=whole[2]), replicate(out), t
 
 
 @jax.jit
-def halt(state: DecodeState, rows: jax.Array, eos_id: jax.Array) -> DecodeState:
+def halt(state: DecodeState, rows: Bool[Array, " B"], eos_id: Int[Array, " B"]) -> DecodeState:
     """Stop rows [B] bool (a stop string completed, a row's own max_new_tokens reached): they emit their fill
     (their EOS eos_id [B], else their last token) from now on."""
     last = state.history.history[jnp.arange(rows.shape[0]), state.cache.lengths - 1]

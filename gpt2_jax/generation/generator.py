@@ -2,7 +2,7 @@
 
 One path: `prepare` checks the prompts and one SamplingParams per row on the host, `prefill` writes the
 prompts into a fresh cache, and `decode_chunk` runs the jitted decode loop over it: all of max_new_tokens in
-one call, or DECODE_CHUNK steps per call when some row has stop strings (matched on the host between
+one call, or chunks.DECODE_CHUNK steps per call when some row has stop strings (matched on the host between
 chunks; the tokens after the completing one are dropped) or speculative rounds run instead.
 
 Shapes are bucketed (prompt length P and step count N round up to powers of two), and every setting,
@@ -14,24 +14,26 @@ its batch neighbours, the batch size, the padding or the cache size.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import ConfigError
 from gpt2_jax.generation.batching import Prepared, as_prompts, prepare
-from gpt2_jax.generation.decode import decode_chunk, decode_step, halt, prefill
+from gpt2_jax.generation.chunks import decode_chunks, start, stop_matcher
+from gpt2_jax.generation.decode import decode_chunk, decode_step, halt
 from gpt2_jax.generation.speculative.speculator import Speculator
 from gpt2_jax.generation.speculative.stream import stream_rounds
-from gpt2_jax.generation.stop_strings import StopHit, StopMatcher
 from gpt2_jax.model.axes import on_mesh
 from gpt2_jax.model.params import Params
-from gpt2_jax.sampling.params import MAX_TOP_LOGPROBS, SamplingParams, sampling_rows
+from gpt2_jax.sampling.checks import MAX_TOP_LOGPROBS
+from gpt2_jax.sampling.params import SamplingParams, sampling_rows
 
-DECODE_CHUNK = 16  # steps per jitted call when stop strings are checked on the host
+if TYPE_CHECKING:  # shapes as annotations only: jaxtyping is not a runtime dependency
+    from jaxtyping import Bool, Int
+
 _generate = decode_chunk  # the jitted decode loop (tests count its compiles)
 
 
@@ -47,28 +49,25 @@ class GenerateResult(NamedTuple):
     accepted: np.ndarray | None = None  # [B] ... of which kept (each round also keeps one drawn token)
 
 
-def _rows(prompts: Any, sampling: Any, settings: dict) -> tuple[list[list[int]], list[SamplingParams]]:
-    """generate's inputs -> (prompts, one SamplingParams per prompt). Keyword settings are sugar for one
+def settings_rows(sampling: Any, n: int, settings: dict) -> list[SamplingParams]:
+    """One SamplingParams per row of n (sampling.params.sampling_rows). Keyword settings are sugar for one
     SamplingParams; return_logprobs is the older name of logprobs."""
-    prompts = as_prompts(prompts)
     if "return_logprobs" in settings:
         settings["logprobs"] = settings.pop("return_logprobs")
-    return prompts, sampling_rows(sampling, len(prompts), settings)
+    return sampling_rows(sampling, n, settings)
 
 
-def generate(
-    params: Params,
-    config: GPT2Config,
-    prompts: Any,
-    key: Any = None,
-    *,
-    sampling: SamplingParams | list[SamplingParams] | None = None,
-    tokenizer: Any = None,
-    draft: Any = None,
-    num_speculative_tokens: int = 4,
-    hooks: Any = None,
-    **settings: Any,
-) -> GenerateResult:
+def _prepared(params: Params, config: GPT2Config, prompts: Any, key: Any, sampling: Any, hooks: Any,
+              settings: dict) -> tuple[list[SamplingParams], Prepared]:  # fmt: skip
+    """generate's inputs -> (one SamplingParams per prompt, the prepared batch): generate_stream's too."""
+    prompts = as_prompts(prompts)
+    rows = settings_rows(sampling, len(prompts), settings)
+    return rows, prepare(params, config, prompts, key, rows, hooks)
+
+
+def generate(params: Params, config: GPT2Config, prompts: Any, key: Any = None, *,
+             sampling: SamplingParams | list[SamplingParams] | None = None, tokenizer: Any = None, draft: Any = None,
+             num_speculative_tokens: int = 4, hooks: Any = None, **settings: Any) -> GenerateResult:  # fmt: skip
     """Prompts (lists of token ids, ragged) -> GenerateResult(tokens [B, N], lengths [B], logprobs, ...).
 
     sampling: one gpt2_jax.SamplingParams for every row, or one per prompt (what each row samples with, how
@@ -85,13 +84,14 @@ def generate(
       each step, as run_with_hooks does (steering while decoding); each fn sees that call's new tokens.
       Build the functions once: a new function compiles a new program.
     Params sharded with gpt2_jax.parallel.sharding run on their mesh and give the same tokens."""
-    prompts, rows = _rows(prompts, sampling, settings)
-    prep = prepare(params, config, prompts, key, rows, hooks)
+    rows, prep = _prepared(params, config, prompts, key, sampling, hooks, settings)
     B, r = prep.batch.rows, prep.r
     n = int(prep.max_new_tokens.max())
     spec = None if draft is None else _speculator(params, config, prep, draft, num_speculative_tokens, n)
     with on_mesh(prep.mesh):
-        out, generated, done, hits = _decode(params, config, prep, n, tokenizer, MAX_TOP_LOGPROBS if r else 0, spec)
+        out, generated, done, hits = decode_chunks(
+            params, config, prep, n, tokenizer, MAX_TOP_LOGPROBS if r else 0, spec
+        )
     toks, logprobs = np.asarray(out.token)[:B, :n].copy(), np.asarray(out.logprob)[:B, :n].copy()
     generated, done = np.asarray(generated)[:B], np.asarray(done)[:B]
     eos = np.asarray(prep.rules.stop.eos_id)[:B]
@@ -127,99 +127,22 @@ def _speculator(params: Params, config: GPT2Config, prep: Prepared, draft: Any, 
     return spec
 
 
-def encoding(tokenizer: Any = None) -> Any:
-    """The tokenizer stop strings and text are decoded with: the one given, else the gpt2 encoding."""
-    if tokenizer is None:
-        from gpt2_jax.tokenizer import tokenizer as gpt2
-
-        return gpt2()
-    return tokenizer
-
-
-def token_bytes(tokenizer: Any):
-    """token id -> its bytes, for stop strings (the tokenizer given, else the gpt2 encoding)."""
-    return encoding(tokenizer).decode_single_token_bytes
-
-
-def start(params: Params, config: GPT2Config, prep: Prepared) -> Any:
-    """The prefilled DecodeState of a prepared batch (its cache holding every prompt)."""
-    batch = prep.batch
-    with on_mesh(prep.mesh):
-        return prefill(params, batch.tokens, batch.lengths, batch.keys, config, batch.capacity,
-                       prep.rules.constraint.start, prep.hooks)  # fmt: skip
-
-
-def _decode(
-    params: Params, config: GPT2Config, prep: Prepared, n: int, tokenizer: Any, r: int, spec: Speculator | None
-) -> tuple[Any, Any, Any, list[StopHit | None]]:
-    """Prefill, then the decode loop in chunks: all n steps in one call, or DECODE_CHUNK steps per call
-    when a row has stop strings; between calls each row's new tokens go to the stop matcher, which halts
-    the rows whose stop string completed. Speculative rounds (spec) run the same way."""
-    batch, rules = prep.batch, prep.rules
-    B = batch.rows
-    matcher = StopMatcher(prep.stops, token_bytes(tokenizer) if any(prep.stops) else None)
-    state = start(params, config, prep)
-    size = DECODE_CHUNK if matcher else batch.steps
-    chunks, t = [], 0
-    before = np.zeros(B, np.int64)
-    while t < n:
-        count = min(size, n - t)
-        if spec is None:
-            state, out, made = decode_chunk(params, state, rules, jnp.int32(count), config, size, r, prep.hooks)
-        else:
-            state, out, made = spec.run(state, rules, t + count, size, r)
-            made = made.max(initial=0)
-        made = int(made)
-        chunks.append(jax.tree.map(lambda x: np.asarray(x)[:, :made], out))
-        if matcher:
-            generated = np.asarray(state.generated)[:B]
-            toks = chunks[-1].token
-            for b in range(B):
-                if generated[b] > before[b]:
-                    matcher.feed(b, toks[b, : generated[b] - before[b]].tolist())
-            before = generated
-            hit = np.array([h is not None for h in matcher.hits] + [False] * (batch.tokens.shape[0] - B))
-            if hit.any():
-                state = halt(state, hit, rules.stop.eos_id)
-        t += made
-        if made == 0 or np.asarray(state.done).all():
-            break
-    out = jax.tree.map(lambda *xs: np.concatenate(xs, axis=1), *chunks)
-    pad = n - out.token.shape[1]
-    fill = np.asarray(state.fill)
-    out = out._replace(token=np.concatenate([out.token, np.repeat(fill[:, None], pad, 1)], 1),
-                       logprob=np.pad(out.logprob, ((0, 0), (0, pad))),
-                       top_ids=np.pad(out.top_ids, ((0, 0), (0, pad), (0, 0))),
-                       top_logprobs=np.pad(out.top_logprobs, ((0, 0), (0, pad), (0, 0))))  # fmt: skip
-    return out, state.generated, state.done, matcher.hits
-
-
-def generate_stream(
-    params: Params,
-    config: GPT2Config,
-    prompts: Any,
-    key: Any = None,
-    *,
-    sampling: SamplingParams | list[SamplingParams] | None = None,
-    tokenizer: Any = None,
-    draft: Any = None,
-    num_speculative_tokens: int = 4,
-    hooks: Any = None,
-    **settings: Any,
-) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+def generate_stream(params: Params, config: GPT2Config, prompts: Any, key: Any = None, *,
+                    sampling: SamplingParams | list[SamplingParams] | None = None, tokenizer: Any = None,
+                    draft: Any = None, num_speculative_tokens: int = 4, hooks: Any = None,
+                    **settings: Any) -> Iterator[tuple[Int[np.ndarray, " B"], Bool[np.ndarray, " B"]]]:  # fmt: skip
     """Like generate (the same arguments), one decode_step at a time: yields (tokens [B], live [B]) per step,
     where live marks the rows whose token is newly generated (the others have stopped and repeat their
     EOS). A row whose stop string completes, or that reaches its max_new_tokens, yields that token live
     and then stops."""
-    prompts, rows = _rows(prompts, sampling, settings)
-    prep = prepare(params, config, prompts, key, rows, hooks)
+    _, prep = _prepared(params, config, prompts, key, sampling, hooks, settings)
     batch, B = prep.batch, prep.batch.rows
     if prep.r:
         raise ConfigError("generate_stream yields tokens only; use generate for top_logprobs")
     rules = prep.rules if prep.mesh else jax.device_put(prep.rules)  # sent once, not at every step
     prep = prep._replace(rules=rules)
     limits = prep.max_new_tokens
-    matcher = StopMatcher(prep.stops, token_bytes(tokenizer) if any(prep.stops) else None)
+    matcher = stop_matcher(prep.stops, tokenizer)
     state = start(params, config, prep)
     if draft is not None:
         spec = _speculator(params, config, prep, draft, num_speculative_tokens, int(limits.max()))

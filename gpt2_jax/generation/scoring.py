@@ -27,8 +27,8 @@ from gpt2_jax.generation.decode import most_likely
 from gpt2_jax.model.axes import mesh_of, on_mesh
 from gpt2_jax.model.gpt2 import apply
 from gpt2_jax.model.params import Params
+from gpt2_jax.sampling.checks import MAX_TOP_LOGPROBS
 from gpt2_jax.sampling.draw import token_logprobs
-from gpt2_jax.sampling.params import MAX_TOP_LOGPROBS
 
 
 class PromptScores(NamedTuple):

@@ -14,7 +14,8 @@ import jax
 
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import CheckpointError
-from gpt2_jax.model.params import BYTE_INPUTS, MATMULS, dotted, flat_shapes, init_params
+from gpt2_jax.model.params import BYTE_INPUTS, MATMULS, flat_shapes, init_params
+from gpt2_jax.model.tree_layout import dotted
 
 
 def listing(keys: list[str], limit: int = 8) -> str:

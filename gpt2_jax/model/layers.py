@@ -33,7 +33,7 @@ from gpt2_jax.model import invariant
 from gpt2_jax.model.attention import NEG_INF, causal_mask
 from gpt2_jax.model.axes import constrain
 from gpt2_jax.model.dropout import dropout
-from gpt2_jax.model.invariant import F32, XLA_MIN_ROWS, at, heads_view, matmul, within  # noqa: F401 (matmul's old home)
+from gpt2_jax.model.invariant import F32, at, heads_view, within
 from gpt2_jax.model.layer_loop import take
 from gpt2_jax.model.precision_type import Precision
 
@@ -133,22 +133,23 @@ def merge_heads(x: Float[Array, "B H T K"]) -> Float[Array, "B T D"]:
     return jnp.einsum("BHTK->BTHK", x).reshape(B, T, H * K)
 
 
-def attention(
-    p: dict,
-    x: Float[Array, "B T D"],
-    config: GPT2Config,
-    layer: jax.Array | int,
-    cache=None,
-    key: jax.Array | None = None,
-    tap=None,
-    precision: Precision = FLOAT,
-) -> tuple[Float[Array, "B T D"], Any]:
+def split_key(key: jax.Array | None) -> tuple[jax.Array | None, jax.Array | None]:
+    """A dropout key split in two for a function's two dropouts; (None, None) without one (no dropout)."""
+    if key is None:
+        return None, None
+    a, b = jax.random.split(key)
+    return a, b
+
+
+def attention(p: dict, x: Float[Array, "B T D"], config: GPT2Config, layer: jax.Array | int, cache=None,
+              key: jax.Array | None = None, tap=None,
+              precision: Precision = FLOAT) -> tuple[Float[Array, "B T D"], Any]:  # fmt: skip
     """[B, T, D] -> ([B, T, D], cache): causal multi-head self-attention, heads concatenated, then c_proj.
     Its three callers of attend: training (a key, no cache or tap: plain), causal over the call's own
     tokens, and cached: the new K/V written into the cache (cache.CacheView) first, attention reading the
     whole cache under its mask. Hook points: hook_q/k/v (edited K/V are what the cache stores) and hook_z
     [B, T, H, K]; attend's."""
-    k_attn, k_resid = (None, None) if key is None else jax.random.split(key)
+    k_attn, k_resid = split_key(key)
     q, k, v = (heads_view(tap, f"hook_{n}", a) for n, a in zip("qkv", qkv(p, x, config, precision)))
     T, rate = x.shape[1], config.attn_pdrop
     if cache is None and key is not None and tap is None:  # training (a key is only ever given there)
@@ -164,22 +165,15 @@ def attention(
     return dropout(out, config.resid_pdrop, k_resid), cache
 
 
-def block(
-    p: dict,
-    x: Float[Array, "B T D"],
-    config: GPT2Config,
-    layer: jax.Array | int,
-    cache=None,
-    key: jax.Array | None = None,
-    tap=None,
-    precision: Precision = FLOAT,
-) -> tuple[Float[Array, "B T D"], Any]:
+def block(p: dict, x: Float[Array, "B T D"], config: GPT2Config, layer: jax.Array | int, cache=None,
+          key: jax.Array | None = None, tap=None,
+          precision: Precision = FLOAT) -> tuple[Float[Array, "B T D"], Any]:  # fmt: skip
     """x [B, T, D] -> (x [B, T, D], cache): pre-LN transformer block, x + attn(ln_1(x)), then + mlp(ln_2(x)).
     layer: this block's index (for the cache and inverse-layer scaling); dropout only with a key.
     Hook points [B, T, D]: hook_resid_pre, hook_attn_out, hook_resid_mid, hook_mlp_out,
     hook_resid_post; and those of ln1, attn, ln2 and mlp."""
     eps = config.layer_norm_epsilon
-    k_attn, k_mlp = (None, None) if key is None else jax.random.split(key)
+    k_attn, k_mlp = split_key(key)
     x = at(tap, "hook_resid_pre", x)
     a, cache = attention(p["attn"], layer_norm(p["ln_1"], x, eps, within(tap, "ln1")), config, layer, cache, k_attn,
                          within(tap, "attn"), precision)  # fmt: skip

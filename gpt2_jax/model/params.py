@@ -35,7 +35,6 @@ split every one of them by heads (see gpt2_jax.parallel.sharding). Without biase
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -46,89 +45,17 @@ from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import ConfigError
 from gpt2_jax.kernels.packed import packed_rows
 from gpt2_jax.model.precision_type import Precision
+from gpt2_jax.model.tree_layout import (
+    _EMBEDDINGS,
+    _get,
+    _set,
+    flat_shapes,
+    from_tree,
+    layer_shapes,
+    tree_shape,
+)
 
 Params = dict[str, Any]
-
-# Flat checkpoint name of the embeddings -> their key in the params pytree.
-_EMBEDDINGS = {"wte.weight": "wte", "wpe.weight": "wpe"}
-
-
-def layer_shapes(config: GPT2Config) -> dict[str, tuple[int, ...]]:
-    """Shapes of one block's tensors, keyed by their name inside h.{i}."""
-    d, f = config.n_embd, config.mlp_dim
-    shapes = {
-        "ln_1.weight": (d,), "ln_1.bias": (d,),
-        "attn.c_attn.weight": (d, 3 * d), "attn.c_attn.bias": (3 * d,),
-        "attn.c_proj.weight": (d, d), "attn.c_proj.bias": (d,),
-        "ln_2.weight": (d,), "ln_2.bias": (d,),
-        "mlp.c_fc.weight": (d, f), "mlp.c_fc.bias": (f,),
-        "mlp.c_proj.weight": (f, d), "mlp.c_proj.bias": (d,),
-    }  # fmt: skip
-    return {k: s for k, s in shapes.items() if config.bias or not k.endswith(".bias")}
-
-
-_LINEAR_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-
-
-def tree_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """A block tensor's shape in the params pytree, from its checkpoint (Conv1D [in, out]) shape:
-    linear weights turn to [out, in], and c_attn's 3D outputs split into (3, D) = (q|k|v, heads x K)."""
-    if name == "attn.c_attn.weight":
-        return (3, shape[1] // 3, shape[0])
-    if name == "attn.c_attn.bias":
-        return (3, shape[0] // 3)
-    if name in _LINEAR_WEIGHTS:
-        return (shape[1], shape[0])
-    return shape
-
-
-def to_tree(name: str, a: Any) -> Any:
-    """One block tensor, checkpoint layout (Conv1D [in, out]) -> pytree layout (see tree_shape)."""
-    if name == "attn.c_attn.weight":
-        return a.reshape(a.shape[0], 3, a.shape[1] // 3).transpose(1, 2, 0)
-    if name in _LINEAR_WEIGHTS:
-        return a.T
-    return a.reshape(tree_shape(name, a.shape))
-
-
-def from_tree(name: str, a: Any) -> Any:
-    """The inverse of to_tree: pytree layout -> checkpoint layout [in, out]."""
-    if name == "attn.c_attn.weight":
-        return a.transpose(2, 0, 1).reshape(a.shape[2], 3 * a.shape[1])
-    if name in _LINEAR_WEIGHTS:
-        return a.T
-    return a.reshape(-1) if name == "attn.c_attn.bias" else a
-
-
-def flat_shapes(config: GPT2Config) -> dict[str, tuple[int, ...]]:
-    """Every tensor of a checkpoint by its flat name (h.{i}.attn.c_attn.weight, ...) and shape."""
-    d = config.n_embd
-    shapes = {"wte.weight": (config.vocab_size, d), "wpe.weight": (config.n_positions, d)}
-    for i in range(config.n_layer):
-        shapes.update({f"h.{i}.{k}": s for k, s in layer_shapes(config).items()})
-    shapes["ln_f.weight"] = (d,)
-    if config.bias:
-        shapes["ln_f.bias"] = (d,)
-    return shapes
-
-
-def _set(tree: dict, dotted: str, value: Any) -> None:
-    *parents, leaf = dotted.split(".")
-    for p in parents:
-        tree = tree.setdefault(p, {})
-    tree[leaf] = value
-
-
-def _get(tree: Mapping, dotted: str) -> Any:
-    for p in dotted.split("."):
-        tree = tree[p]
-    return tree
-
-
-def dotted(path) -> str:
-    """A pytree key path -> its dotted name (h.attn.c_attn.weight)."""
-    return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-
 
 # The block's matmuls, each a "weight" [out, in]: the per-layer buffers the layer loop reads in place
 # (gpt2_jax.model.layer_loop), the weights training decays and int8 quantizes (gpt2_jax.model.precision); and

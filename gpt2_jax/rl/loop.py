@@ -33,7 +33,7 @@ from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import ConfigError, GPT2JaxError, InputError
 from gpt2_jax.generation import generate
 from gpt2_jax.generation.batching import bucket
-from gpt2_jax.generation.generator import encoding
+from gpt2_jax.generation.chunks import encoding
 from gpt2_jax.model.params import Params, check_trainable, float_dtype, stack_layers, unstack_layers
 from gpt2_jax.rl.objective import Objective, group_advantages
 from gpt2_jax.rl.plots import plot_rewards

@@ -21,7 +21,7 @@ Shape legend: B batch, V vocab rows, C candidates.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +30,7 @@ from gpt2_jax.kernels import ffi
 from gpt2_jax.kernels.invariance import min_rows, pad_rows
 from gpt2_jax.sampling.filters import (
     apply_temperature,
-    check_logits,
+    checked_logits,
     cumsum,
     filter_scaled,
     min_p_mask,
@@ -38,6 +38,9 @@ from gpt2_jax.sampling.filters import (
     top_p_mask,
 )  # fmt: skip
 from gpt2_jax.sampling.metadata import RowSettings, row_keys, row_settings
+
+if TYPE_CHECKING:  # shapes as annotations only: jaxtyping is not a runtime dependency
+    from jaxtyping import Array, Float, Int
 
 CANDIDATES = 1024  # C: the window; top_k <= C - 1 always fits it, a top-p nucleus often does
 
@@ -159,7 +162,7 @@ def log_probs(logits: jax.Array) -> jax.Array:
     return jax.nn.log_softmax(pad_rows(logits.astype(jnp.float32), min_rows(b, v)), axis=-1)[:b]
 
 
-def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+def token_logprobs(logits: Float[Array, "B V"], tokens: Int[Array, " B"]) -> Float[Array, " B"]:
     """log p(token) [B] under the raw logits [B, V] (no temperature or filters), rounded alike for 1 row or many."""
     return jnp.take_along_axis(log_probs(logits), tokens[:, None], axis=-1)[:, 0]
 
@@ -169,18 +172,9 @@ def _sample_jit(keys: jax.Array, logits: jax.Array, settings: RowSettings, n_val
     return sample_rows(keys, logits, settings, n_valid)
 
 
-def sample(
-    key: jax.Array,
-    logits: jax.Array,
-    *,
-    temperature: Any,
-    top_k: Any,
-    top_p: Any,
-    min_p: Any = 0.0,
-    n_valid: int | None = None,
-) -> jax.Array:
+def sample(key: jax.Array, logits: Float[Array, "B V"], *, temperature: Any, top_k: Any, top_p: Any, min_p: Any = 0.0,
+           n_valid: int | None = None) -> Int[Array, " B"]:  # fmt: skip
     """One PRNG key or one per row [B], logits [B, V] -> next tokens [B] int32."""
-    logits = jnp.asarray(logits)
-    check_logits(logits, n_valid)
+    logits = checked_logits(logits, n_valid)
     B = logits.shape[0]
     return _sample_jit(row_keys(key, B), logits, row_settings(temperature, top_k, top_p, B, min_p), n_valid)

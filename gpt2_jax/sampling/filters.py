@@ -12,7 +12,7 @@ Shape legend: B batch, V vocab rows, N values per row (V, or a window of candida
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +21,9 @@ from gpt2_jax.errors import ConfigError, InputError
 from gpt2_jax.kernels import ffi
 from gpt2_jax.sampling.metadata import RowSettings, row_settings
 from gpt2_jax.sampling.processors import process_logits
+
+if TYPE_CHECKING:  # shapes as annotations only: jaxtyping is not a runtime dependency
+    from jaxtyping import Array, Float
 
 
 def _two_sum(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -147,11 +150,14 @@ def filter_scaled(scaled: jax.Array, settings: RowSettings) -> jax.Array:
     return jnp.where((settings.temperature == 0)[:, None], one_hot, filtered)
 
 
-def check_logits(logits: jax.Array, n_valid: int | None) -> None:
+def checked_logits(logits: Any, n_valid: int | None) -> Float[Array, "B V"]:
+    """Logits [B, V] as a jax array, checked (InputError, ConfigError) with n_valid, the ids that can be drawn."""
+    logits = jnp.asarray(logits)
     if logits.ndim != 2:
         raise InputError(f"logits must have shape [B, V], got shape {logits.shape}")
     if n_valid is not None and not (isinstance(n_valid, int) and 0 < n_valid <= logits.shape[1]):
         raise ConfigError(f"n_valid must be an int in [1, V={logits.shape[1]}], got {n_valid!r}")
+    return logits
 
 
 @functools.partial(jax.jit, static_argnames="n_valid")
@@ -159,25 +165,13 @@ def _probs_jit(logits: jax.Array, settings: RowSettings, n_valid: int | None) ->
     return jax.nn.softmax(filter_logits(logits, settings, n_valid), axis=-1)
 
 
-def next_token_probs(
-    logits: jax.Array,
-    *,
-    temperature: Any,
-    top_k: Any,
-    top_p: Any,
-    min_p: Any = 0.0,
-    n_valid: int | None = None,
-    prompts: Any = None,
-    outputs: Any = None,
-    eos_id: int | None = None,
-    stop_ids: Any = (),
-    **processors: Any,
-) -> jax.Array:
+def next_token_probs(logits: Float[Array, "B V"], *, temperature: Any, top_k: Any, top_p: Any, min_p: Any = 0.0,
+                     n_valid: int | None = None, prompts: Any = None, outputs: Any = None, eos_id: int | None = None,
+                     stop_ids: Any = (), **processors: Any) -> Float[Array, "B V"]:  # fmt: skip
     """[B, V] logits -> [B, V] float32: the exact distribution `sample` draws each row from. With
     processors (generate's repetition_penalty, logit_bias, ...), prompts [B] and outputs [B] (token-id
     lists) give each row's text so far, and the logits are processed first (gpt2_jax.sampling.processors.process_logits)."""
-    logits = jnp.asarray(logits)
-    check_logits(logits, n_valid)
+    logits = checked_logits(logits, n_valid)
     if processors or prompts is not None:
         prompts = [[] for _ in range(logits.shape[0])] if prompts is None else prompts
         logits = process_logits(logits, prompts=prompts, outputs=outputs, eos_id=eos_id, stop_ids=stop_ids,

@@ -23,7 +23,8 @@ Every setting is one traced value per row, and a row whose settings are off (bia
 penalties 0, n 0, no words, 0 min tokens, no constraint) gets its logits back bit for bit, so
 rows never affect each other. The state the processors read (the token history, output counts)
 is carried in the decode loop as a ProcessorState. process_logits runs them alone, outside the loop,
-on token lists (the settings packed per row by gpt2_jax.sampling.metadata).
+on token lists (the settings packed per row by gpt2_jax.sampling.metadata). Steps 4-6's masks are
+gpt2_jax.sampling.bans'.
 
 Shape legend: B batch, V vocab, S cache slots (positions), W banned words, M tokens per word,
 N logit-bias entries.
@@ -31,7 +32,7 @@ N logit-bias entries.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,8 +40,11 @@ import numpy as np
 
 from gpt2_jax.compiling import pow2_bucket
 from gpt2_jax.errors import ConfigError
+from gpt2_jax.sampling.bans import bad_word_tokens, ban, early_stop_tokens, repeated_ngrams, token_mask
 from gpt2_jax.sampling.metadata import ProcessorSettings, processor_settings
-from gpt2_jax.sampling.params import MAX_NGRAM  # the static window of the history that banned n-grams read
+
+if TYPE_CHECKING:  # shapes as annotations only: jaxtyping is not a runtime dependency
+    from jaxtyping import Array, Bool, Float, Int
 
 
 class ProcessorState(NamedTuple):
@@ -51,14 +55,17 @@ class ProcessorState(NamedTuple):
     counts: jax.Array  # [B, V] int32: times the token was generated
 
 
-def apply_logit_bias(logits: jax.Array, ids: jax.Array, bias: jax.Array) -> jax.Array:
+def apply_logit_bias(
+    logits: Float[Array, "B V"], ids: Int[Array, "B N"], bias: Float[Array, "B N"]
+) -> Float[Array, "B V"]:
     """[B, V] + bias [B, N] at token ids [B, N]. Entries with bias 0 (unused ones among them) are dropped, not
     added: -0.0 + 0.0 would turn a logit of -0.0 into +0.0."""
     rows = jnp.arange(logits.shape[0])[:, None]
     return logits.at[rows, jnp.where(bias != 0, ids, logits.shape[-1])].add(bias, mode="drop")
 
 
-def apply_repetition_penalty(logits: jax.Array, seen: jax.Array, theta: jax.Array) -> jax.Array:
+def apply_repetition_penalty(logits: Float[Array, "B V"], seen: Bool[Array, "B V"],
+                             theta: Float[Array, " B"]) -> Float[Array, "B V"]:  # fmt: skip
     """transformers' RepetitionPenaltyLogitsProcessor: a seen token's logit [B, V] (seen [B, V]) is divided
     by theta [B] when positive, multiplied when negative; theta 1 leaves every bit as it was."""
     t = theta[:, None]
@@ -71,54 +78,6 @@ def apply_presence_frequency(
     """OpenAI's penalties over the output tokens: logits - frequency * count - presence * (count > 0)."""
     logits = logits - frequency[:, None] * counts.astype(jnp.float32)
     return logits - presence[:, None] * (counts > 0).astype(jnp.float32)
-
-
-def ban(logits: jax.Array, banned: jax.Array) -> jax.Array:
-    """-inf where banned [B, V]."""
-    return jnp.where(banned, -jnp.inf, logits)
-
-
-def _scatter_tokens(ids: jax.Array, hit: jax.Array, v: int) -> jax.Array:
-    """Token ids [B, J] where hit [B, J] -> [B, V] bool marking them (ids where ~hit are dropped)."""
-    rows = jnp.arange(ids.shape[0])[:, None]
-    return jnp.zeros((ids.shape[0], v), bool).at[rows, jnp.where(hit, ids, v)].set(True, mode="drop")
-
-
-def repeated_ngrams(history: jax.Array, length: jax.Array, n: jax.Array, v: int) -> jax.Array:
-    """transformers' NoRepeatNGramLogitsProcessor -> banned [B, V]: with the text history[:length] (history [B, S]),
-    a token t is banned when (last n-1 tokens, t) already occurs as an n-gram of the text. n [B], 0 = off."""
-    b, s = history.shape
-    i = jnp.arange(MAX_NGRAM - 1)
-    padded = jnp.concatenate([history, jnp.zeros((b, MAX_NGRAM), history.dtype)], axis=1)
-    tail = jnp.take_along_axis(padded, jnp.clip(length[:, None] - n[:, None] + 1 + i, 0, s - 1), axis=1)  # [B, n-1]
-    j = jnp.arange(s)
-    window = padded[:, j[:, None] + i[None, :]]  # [B, S, n-1]: the n-1 tokens starting at each j
-    same = (window == tail[:, None, :]) | (i >= n[:, None] - 1)[:, None, :]
-    # the n-gram starting at j must end inside the text: j + n - 1 < length
-    hit = same.all(-1) & (j[None, :] + n[:, None] <= length[:, None]) & (n[:, None] > 0)
-    last = jnp.take_along_axis(padded, jnp.clip(j[None, :] + n[:, None] - 1, 0, s - 1), axis=1)
-    return _scatter_tokens(last, hit, v)
-
-
-def bad_word_tokens(history: jax.Array, length: jax.Array, words: jax.Array, word_len: jax.Array, v: int) -> jax.Array:
-    """transformers' NoBadWordsLogitsProcessor -> banned [B, V]: a word's last token when the word's other
-    tokens (words [B, W, M], lengths [B, W]) end the text history[:length]; a one-token word always."""
-    b, w, m = words.shape
-    i = jnp.arange(m)
-    prefix = word_len[..., None] - 1  # [B, W, 1]
-    at = length[:, None, None] - prefix + i  # where token i of the prefix must sit
-    seen = jnp.take_along_axis(history, jnp.clip(at, 0, history.shape[1] - 1).reshape(b, -1), axis=1).reshape(b, w, m)
-    same = (seen == words) | (i >= prefix)
-    hit = same.all(-1) & (word_len > 0) & (length[:, None] >= prefix[..., 0])
-    last = jnp.take_along_axis(words, jnp.clip(word_len - 1, 0, m - 1)[..., None], axis=-1)[..., 0]
-    return _scatter_tokens(last, hit, v)
-
-
-def early_stop_tokens(generated: jax.Array, min_new: jax.Array, stop_ids: jax.Array, v: int) -> jax.Array:
-    """transformers' MinNewTokensLengthLogitsProcessor -> banned [B, V]: each row's stop ids [B, P] (its EOS
-    among them, -1 = unused) while it has generated fewer than min_new [B] tokens."""
-    early = (generated < min_new)[:, None] & (stop_ids >= 0)
-    return _scatter_tokens(stop_ids, early, v)
 
 
 def rows_in_use(p: ProcessorSettings, generated: jax.Array, stop_ids: jax.Array) -> jax.Array:
@@ -180,15 +139,16 @@ def _process(logits, p, state, length, generated, stop_ids, allowed):
     return jnp.where(stuck, ban(x, ~allowed), out)
 
 
-def init_state(prompts: jax.Array, lengths: jax.Array, capacity: int, v: int) -> ProcessorState:
+def init_state(prompts: Int[Array, "B P"], lengths: Int[Array, " B"], capacity: int, v: int) -> ProcessorState:
     """Right-padded prompts [B, P], lengths [B] -> the state before the first draw (history of S slots)."""
     b, p = prompts.shape
     history = jnp.zeros((b, capacity), jnp.int32).at[:, :p].set(prompts)
     real = jnp.arange(p)[None, :] < lengths[:, None]
-    return ProcessorState(history, _scatter_tokens(prompts, real, v), jnp.zeros((b, v), jnp.int32))
+    return ProcessorState(history, token_mask(prompts, real, v), jnp.zeros((b, v), jnp.int32))
 
 
-def update_state(state: ProcessorState, token: jax.Array, length: jax.Array, live: jax.Array) -> ProcessorState:
+def update_state(state: ProcessorState, token: Int[Array, " B"], length: Int[Array, " B"],
+                 live: Bool[Array, " B"]) -> ProcessorState:  # fmt: skip
     """Record the drawn tokens [B] at positions length [B]; rows that are not live [B] (stopped) keep theirs."""
     rows = jnp.arange(token.shape[0])
     s, v = state.history.shape[1], state.counts.shape[1]
@@ -216,8 +176,9 @@ def history_state(prompts: Any, outputs: Any, vocab: int) -> tuple[ProcessorStat
         history[b, : len(texts[b])] = [_token(t, vocab, "prompts/outputs") for t in texts[b]]
         in_prompt[b, list(p)] = True
         np.add.at(counts[b], list(o), 1)
-    return (ProcessorState(history, in_prompt, counts), np.array(list(map(len, texts)), np.int32),
-            np.array(list(map(len, outputs)), np.int32))  # fmt: skip
+    # numpy leaves, built on the host: jit takes them as it takes the loop's jax arrays
+    state = ProcessorState(history, in_prompt, counts)  # pyright: ignore[reportArgumentType]
+    return state, np.array(list(map(len, texts)), np.int32), np.array(list(map(len, outputs)), np.int32)
 
 
 _process_jit = jax.jit(apply_processors)

@@ -1,11 +1,11 @@
 """Serving: the continuous-batching engine and its OpenAI-compatible HTTP API.
 
-  engine.py             continuous batching over rows of a paged KV cache: admit, prefill by chunks, decode, finish,
-                        drain; batch.py: the rows' device state (DeviceBatch); slots.py: a Request, the Slot it
-                        holds, their fixed-shape rules
+  engine.py             continuous batching over rows of a paged KV cache: submit, the step loop, drain;
+                        engine_rows.py: each step's work (admit, prefill a chunk, decode, finish);
+                        engine_checks.py: a request's and the settings' checks; batch.py: the rows' device
+                        state (DeviceBatch); slots.py: a Request, the Slot it holds, their fixed-shape rules
   blocks.py             the KV block pool: block tables, prefix caching by chained block names, LRU eviction
-  engine_programs.py    which programs the engine runs, one key type each (Prefill, Decode over 2/8/32/... rows,
-                        row start/stop)
+  engine_programs.py    the engine's programs by name: prefill(T), decode(rows, top), start_row, stop_rows
   programs.py           those programs, compiled ahead of time off the engine thread
   constraint_worker.py  constraints compiled in a child process, with a time limit
   memory.py             the heap of a long-lived process: jemalloc where installed, else glibc's arenas capped and
@@ -14,7 +14,8 @@
   limits.py             what one client may cost: body size, time to send a request, beam-search work
   api.py                the FastAPI app (schema.py, completions.py, metrics.py, openapi.py, static/)
   plan.py               an OpenAI request mapped onto the engine: checked, tokenized, one SamplingParams
-  choices.py            a request in flight: each choice's streamed text and logprobs, the Job, the event stream
+  choices.py            a request in flight: the Job and its event stream; streamed_text.py: a choice's text;
+                        logprobs_json.py: its logprobs as OpenAI's JSON
 
 The HTTP parts need the serve extra (fastapi, uvicorn); they are imported on first use, so the engine alone
 needs neither.

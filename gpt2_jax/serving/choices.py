@@ -1,5 +1,6 @@
-"""A request in flight, streamed: each choice's tokens and text as they arrive, its logprobs as OpenAI's JSON,
-the prompt's echo, the Job that queues the rows and gathers their events, and the event stream.
+"""A request in flight: the Job that queues its rows and gathers their events, and the event stream. Each
+choice's streamed text is serving.streamed_text's Choice; its logprobs as OpenAI's JSON and the prompt's echo,
+serving.logprobs_json's.
 
 The rows, their keys and settings come from a RequestPlan (serving.plan); each choice's text is streamed
 without ever taking back a character.
@@ -8,109 +9,20 @@ without ever taking back a character.
 from __future__ import annotations
 
 import asyncio
-import codecs
-import math
 import time
-from typing import Any
+from collections.abc import AsyncGenerator
+from typing import Any, cast
 
 import jax
 from fastapi.responses import StreamingResponse
 
 from gpt2_jax.generation import beam_search
-from gpt2_jax.generation import prompt_logprobs as score_prompts
 from gpt2_jax.serving.engine import Cancelled, Engine, Request
+from gpt2_jax.serving.logprobs_json import logprobs_object
 from gpt2_jax.serving.metrics import Metrics
 from gpt2_jax.serving.plan import RequestPlan
 from gpt2_jax.serving.slots import row_key
-
-
-# ---- one choice's text ----------------------------------------------------------------------------------
-class Choice:
-    """One row of a request: its tokens and logprobs as they arrive, and its text, streamed without
-    ever taking back a character: text that might still become a stop string, an incomplete UTF-8
-    character and a trailing EOS are held back until the row ends."""
-
-    def __init__(self, index: int, prompt_index: int, enc: Any, stops: list[str], eos: int | None):
-        self.index, self.prompt_index, self.enc, self.eos = index, prompt_index, enc, eos
-        self.patterns = [s.encode("utf-8") for s in stops]
-        self.tokens: list[int] = []
-        self.logprobs: list[float] = []
-        self.top: list[tuple[list, list]] = []
-        self.data = bytearray()  # the bytes of the tokens so far, a trailing EOS excluded
-        self.shown = ""  # the text streamed so far
-        self.finish: str | None = None
-        self.stop: str | None = None
-        self.request: Request | None = None
-
-    def add(self, token: int, logprob: float, top_ids: list, top_lps: list) -> None:
-        if self.tokens and self.tokens[-1] == self.eos:  # an EOS that did not end the row (no EOS rule)
-            self.data += self.enc.decode_single_token_bytes(self.eos)
-        self.tokens.append(token)
-        self.logprobs.append(logprob)
-        self.top.append((top_ids, top_lps))
-        if token != self.eos:
-            self.data += self.enc.decode_single_token_bytes(token)
-
-    def _held(self) -> int:
-        """Bytes at the end of the text that are the start of some stop string."""
-        data, held = self.data, 0
-        for p in self.patterns:
-            for k in range(min(len(p) - 1, len(data)), held, -1):
-                if data.endswith(p[:k]):
-                    held = k
-                    break
-        return held
-
-    def safe_text(self) -> str:
-        """The text that no later token can change: up to a stop string that completed (its "done" event
-        comes after its token), else without the tail that could still begin one."""
-        found = [i for i in (self.data.find(p) for p in self.patterns) if i >= 0]
-        end = min(found) if found else len(self.data) - self._held()
-        safe = bytes(self.data[:end])
-        return codecs.getincrementaldecoder("utf-8")("replace").decode(safe, final=False)
-
-    def final_text(self) -> str:
-        """gpt2_jax.complete's text: without a stopping EOS, cut before the stop string that matched."""
-        shown = self.tokens
-        if self.finish == "stop" and self.stop is None and shown and shown[-1] == self.eos:
-            shown = shown[:-1]
-        data = b"".join(self.enc.decode_single_token_bytes(t) for t in shown)
-        if self.stop is not None:
-            cut = data.find(self.stop.encode("utf-8"))
-            data = data[: cut if cut >= 0 else len(data)]
-        return data.decode("utf-8", errors="replace")
-
-    def delta(self, final: bool) -> str:
-        text = self.final_text() if final else self.safe_text()
-        if not text.startswith(self.shown):  # cannot happen (see safe_text); never resend text
-            return ""
-        out, self.shown = text[len(self.shown) :], text
-        return out
-
-
-def _number(v: float) -> float | None:
-    return v if math.isfinite(v) else None  # JSON has no -Infinity
-
-
-def _logprobs_object(enc: Any, tokens: list, logprobs: list, tops: list, offset: int) -> dict:
-    """OpenAI's legacy logprobs: token strings, their logprobs, the top alternatives and character offsets
-    (into the choice's text). A None logprob (an echoed first prompt token) stays None."""
-    strings = [enc.decode([t]) for t in tokens]
-    offsets = []
-    for s in strings:
-        offsets.append(offset)
-        offset += len(s)
-    top = [None if t is None else {enc.decode([i]): _number(v) for i, v in zip(*t)} for t in tops]
-    return {"tokens": strings, "token_logprobs": [None if v is None else _number(v) for v in logprobs],
-            "top_logprobs": top, "text_offset": offsets}  # fmt: skip
-
-
-def prompt_logprobs(params: Any, config: Any, ids: list[int], top_n: int) -> tuple[list, list]:
-    """A prompt's echo: (logprobs, top) per prompt token, the first None, from gpt2_jax's scoring, so each is the
-    logprob generate would report had it sampled that token there (lm-eval's loglikelihood), bit for bit."""
-    scores = score_prompts(params, config, [ids], max(top_n, 1))
-    tops = [None] + [(i[:top_n], v[:top_n]) for i, v in zip(scores.top_ids[0][1:], scores.top_logprobs[0][1:])]
-    return scores.logprobs[0], tops
+from gpt2_jax.serving.streamed_text import Choice
 
 
 class Job:
@@ -142,12 +54,14 @@ class Job:
         """Make and queue every row (a worker thread). All or none: a refusal cancels the rows queued."""
         plan = self.plan
         try:
+            requests = []
             for c in self.choices:
                 c.request = Request(plan.prompts[c.prompt_index], plan.sampling, row_key(plan.seed, c.index),
                                     self._callback(c.index), seed=plan.seed)  # fmt: skip
                 c.request.prepared = engine.check(c.request)  # every row validated before any is queued
-            for c in self.choices:
-                engine.submit(c.request)
+                requests.append(c.request)
+            for request in requests:
+                engine.submit(request)
             if not engine.running:  # stopped while we queued: nobody will answer
                 raise Cancelled("the server is shutting down")
         except BaseException:
@@ -208,7 +122,7 @@ class Job:
                 tokens, lps, tops = prompt + tokens, plp + lps, ptop + tops
             else:
                 offset += len(self.plan.texts[c.prompt_index])
-        return _logprobs_object(c.enc, tokens, lps, tops, offset)
+        return logprobs_object(c.enc, tokens, lps, tops, offset)
 
     def select(self) -> None:
         """best_of > n: keep each prompt's n candidates with the highest mean logprob per token (OpenAI's "highest
@@ -245,4 +159,4 @@ class EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.job.cancel()
-            await self.body_iterator.aclose()
+            await cast(AsyncGenerator, self.body_iterator).aclose()  # the job's event generator

@@ -17,12 +17,14 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from gpt2_jax.serving.choices import Choice, EventStream, Job, prompt_logprobs
+from gpt2_jax.serving.choices import EventStream, Job
 from gpt2_jax.serving.engine import Engine
 from gpt2_jax.serving.limits import Budget, Limits
+from gpt2_jax.serving.logprobs_json import prompt_logprobs
 from gpt2_jax.serving.metrics import Metrics
 from gpt2_jax.serving.plan import RequestPlan
 from gpt2_jax.serving.schema import ApiError, CompletionRequest, from_gpt2_jax, from_validation
+from gpt2_jax.serving.streamed_text import Choice
 
 
 class Completions:

@@ -1,200 +1,221 @@
-"""Which programs the engine runs, how each is built, and which ones a request waits for (the Engine's half that
-talks to serving.programs).
+"""The engine's compiled programs, by name: which ones it runs, how each is built, which ones a request waits for.
 
-Each program has a key type whose build() lowers and compiles it for the engine's shapes:
-  Prefill(T)           one prompt chunk of T tokens (T: 16, 32, ... up to prefill_chunk)
-  Decode(R, top)       a decode step over rows [0, R) (R: 2, 8, 32, ... and max_batch), with top logprobs or not
-  START_ROW, STOP_ROWS, SET_AUTOMATON   the small programs that start a row, stop rows, move constraint states
-A key is a (kind, size) tuple underneath, so the compiler's log and the registry read ("prefill", 32).
+EnginePrograms is the Engine's registry of programs (held by the Engine, not mixed into it). Each program has a
+named method that gives its compiled callable:
+  prefill(T)           one prompt chunk of T tokens (T: 16, 32, ... up to prefill_chunk)
+  decode(R, top)       the smallest built decode step over rows [0, R) (R: 2, 8, 32, ... and max_batch)
+  start_row(), stop_rows(), set_automaton()   the small programs that start a row, stop rows, move constraint
+                       states
+serving.programs' background thread compiles them; its registry and log name each by a (kind, size) pair:
+("prefill", 32), ("decode+top", 8), ("row", "start").
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from gpt2_jax.config import GPT2Config
+from gpt2_jax.generation import prompt_logprobs
 from gpt2_jax.generation.batching import bucket
 from gpt2_jax.generation.paged import decode_rows, prefill_chunk, start_row, stop_rows
-from gpt2_jax.sampling.params import MAX_TOP_LOGPROBS
+from gpt2_jax.model import Params
+from gpt2_jax.sampling.checks import MAX_TOP_LOGPROBS
 from gpt2_jax.serving.programs import Programs
 from gpt2_jax.serving.slots import Request, set_automaton
 
-if TYPE_CHECKING:
-    from gpt2_jax.serving.engine import Engine
-
 ROW_BUCKETS = (2, 8, 32, 128, 512)  # decode-step sizes: a lone stream never pays for 32 rows
 I32 = jax.ShapeDtypeStruct((), jnp.int32)
+Compiled = jax.stages.Compiled
 
 
-class ProgramKey(NamedTuple):
+class Name(NamedTuple):
+    """A program's name in the compiler's registry and log: ("prefill", 32), ("row", "stop")."""
+
     kind: str
-    size: Any
-
-    def build(self, e: Engine) -> Any:
-        raise NotImplementedError
+    size: int | str
 
 
-class Prefill(ProgramKey):
-    """generation.prefill_chunk: T prompt tokens of one row into its blocks."""
-
-    __slots__ = ()
-
-    def __new__(cls, T: int) -> Prefill:
-        return super().__new__(cls, "prefill", T)
-
-    def build(self, e: Engine) -> Any:
-        tokens, table = jax.ShapeDtypeStruct((self.size,), jnp.int32), _table(e)
-        return lambda: prefill_chunk.lower(e.params, e.batch.state_spec, table, tokens, I32, I32, e.config).compile()
+START, STOP, AUTOMATON = Name("row", "start"), Name("row", "stop"), Name("row", "automaton")
+ROW_PROGRAMS = (START, STOP, AUTOMATON)
 
 
-class Decode(ProgramKey):
-    """generation.decode_rows: one draw for rows [0, rows), with the top logprobs when top."""
+class Shapes(NamedTuple):
+    """What the engine's programs are compiled for: its model, its batch's device state and rules, its sizes."""
 
-    __slots__ = ()
-
-    def __new__(cls, rows: int, top: bool = False) -> Decode:
-        return super().__new__(cls, "decode+top" if top else "decode", rows)
-
-    def build(self, e: Engine) -> Any:
-        r = MAX_TOP_LOGPROBS if self.kind == "decode+top" else 0
-        return lambda: decode_rows.lower(e.params, e.batch.state_spec, e.batch.rules_spec, e.config, self.size,
-                                         r).compile()  # fmt: skip
-
-
-class StartRow(ProgramKey):
-    """generation.start_row: a prefilled row joins the decode steps."""
-
-    __slots__ = ()
-
-    def __new__(cls) -> StartRow:
-        return super().__new__(cls, "row", "start")
-
-    def build(self, e: Engine) -> Any:
-        state = e.batch.state_spec
-        prompt = jax.ShapeDtypeStruct((e.capacity,), jnp.int32)
-        logits = jax.ShapeDtypeStruct(state.logits.shape[1:], state.logits.dtype)
-        key = jax.ShapeDtypeStruct((), state.keys.dtype)
-        return lambda: start_row.lower(state, I32, _table(e), prompt, I32, logits, key, I32).compile()
-
-
-class StopRows(ProgramKey):
-    """generation.stop_rows: the masked rows stop and emit the filler."""
-
-    __slots__ = ()
-
-    def __new__(cls) -> StopRows:
-        return super().__new__(cls, "row", "stop")
-
-    def build(self, e: Engine) -> Any:
-        rows = jax.ShapeDtypeStruct((e.max_batch,), bool)
-        return lambda: stop_rows.lower(e.batch.state_spec, rows, I32).compile()
-
-
-class SetAutomaton(ProgramKey):
-    """serving.slots.set_automaton: every row's constraint state, moved after the tables are repacked."""
-
-    __slots__ = ()
-
-    def __new__(cls) -> SetAutomaton:
-        return super().__new__(cls, "row", "automaton")
-
-    def build(self, e: Engine) -> Any:
-        automata = jax.ShapeDtypeStruct((e.max_batch,), jnp.int32)
-        return lambda: set_automaton.lower(e.batch.state_spec, automata).compile()
-
-
-START_ROW, STOP_ROWS, SET_AUTOMATON = StartRow(), StopRows(), SetAutomaton()
-
-
-def _table(e: Engine) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct((e.blocks_per_row,), jnp.int32)
+    params: Params
+    config: GPT2Config
+    state: Any  # the batch's DecodeState as ShapeDtypeStructs (serving.batch.spec)
+    rules: Any  # the batch's Rules as ShapeDtypeStructs
+    max_batch: int
+    max_seq: int
+    prefill_chunk: int
+    blocks_per_row: int
+    capacity: int  # tokens a row's blocks hold
 
 
 class EnginePrograms:
-    """Mixed into Engine (which has params, config, rows, max_batch, max_seq, prefill_chunk, blocks_per_row)."""
+    """The engine's programs (see the module docstring). on_built(name, seconds) is called on the compiler
+    thread as each one is built."""
 
-    def __init__(self, on_compiled: Any = None):
-        self.on_compiled = on_compiled
-        self.programs = Programs(self._compiled)
+    def __init__(self, shapes: Shapes, on_built: Callable[[Any, float], None] | None = None):
+        self.shapes = shapes
+        self.compiler = Programs(on_built)
 
-    def _compiled(self, key: ProgramKey, seconds: float) -> None:
-        """A program is ready (the compiler thread): wake the engine, whose queue may now move."""
-        with self.lock:
-            self.lock.notify_all()
-        if self.on_compiled is not None:
-            self.on_compiled(key, seconds)
+    # ---- the programs the engine runs ------------------------------------------------------------
+    def prefill(self, T: int) -> Compiled:
+        """generation.prefill_chunk: T prompt tokens of one row into its blocks."""
+        return self._now(self.want_prefill(T, priority=-1.0))
 
+    def decode(self, rows: int, top: bool) -> Compiled | None:
+        """generation.decode_rows for rows [0, rows): the smallest built step that covers them (with top logprobs
+        if asked), or None when none is built."""
+        name = self._built_decode(rows, top)
+        return None if name is None else self.compiler.get(name)
+
+    def start_row(self) -> Compiled:
+        """generation.start_row: a prefilled row joins the decode steps."""
+        return self._now(self._want_row(START, -1.0))
+
+    def stop_rows(self) -> Compiled:
+        """generation.stop_rows: the masked rows stop and emit the filler."""
+        return self._now(self._want_row(STOP, -1.0))
+
+    def set_automaton(self) -> Compiled:
+        """serving.slots.set_automaton: every row's constraint state, moved after the tables are repacked."""
+        return self._now(self._want_row(AUTOMATON, -1.0))
+
+    def _now(self, name: Name) -> Compiled:
+        """A program the engine runs now (compiled on the engine thread only if it was never asked for before:
+        admission waits for every program a request needs)."""
+        self.compiler.wait([name])
+        return self.compiler.get(name)
+
+    def _built_decode(self, rows: int, top: bool) -> Name | None:
+        tops = (True,) if top else (False, True)
+        built = [(r, t) for t in tops for r in self.row_buckets()
+                 if r >= rows and self.compiler.get(_decode_name(r, t)) is not None]  # fmt: skip
+        return _decode_name(*min(built)) if built else None
+
+    # ---- asking for them: each want_ queues a build unless it is built or queued, and returns its name --------
+    def want_prefill(self, T: int, priority: float = 1.0) -> Name:
+        s, tokens = self.shapes, jax.ShapeDtypeStruct((T,), jnp.int32)
+        table = jax.ShapeDtypeStruct((s.blocks_per_row,), jnp.int32)
+        build = lambda: prefill_chunk.lower(s.params, s.state, table, tokens, I32, I32, s.config).compile()
+        self.compiler.want(Name("prefill", T), build, priority)
+        return Name("prefill", T)
+
+    def want_decode(self, rows: int, top: bool = False, priority: float = 1.0) -> Name:
+        s, r = self.shapes, MAX_TOP_LOGPROBS if top else 0
+        build = lambda: decode_rows.lower(s.params, s.state, s.rules, s.config, rows, r).compile()
+        self.compiler.want(_decode_name(rows, top), build, priority)
+        return _decode_name(rows, top)
+
+    def _want_row(self, name: Name, priority: float) -> Name:
+        self.compiler.want(name, _row_builds(self.shapes)[name], priority)
+        return name
+
+    def want_scoring(self, priority: float = 100.0) -> None:
+        """Queue echo's whole-prompt scoring pass (generation.prompt_logprobs) for every prompt bucket, without
+        and with top logprobs (two widths); generate's jit cache keeps them."""
+        s = self.shapes
+        for i, b in enumerate(self.buckets()):
+            n = min(b, s.max_seq)
+            for kind, top in (("score", 0), ("score+top", 1)):
+                build = lambda n=n, top=top: prompt_logprobs(s.params, s.config, [[0] * n], top) is not None
+                self.compiler.want(Name(kind, b), build, priority + i)
+
+    def essential(self, priority: float = 0.0) -> list[Name]:
+        """Ask for the programs the first plain request needs: the smallest decode step and chunk, and the row
+        programs."""
+        return [want(priority) for want in self._essential()]
+
+    def _essential(self) -> list[Callable[[float], Name]]:
+        return [lambda p: self.want_decode(self.row_buckets()[0], priority=p),
+                lambda p: self.want_prefill(self.chunk_buckets()[0], p),
+                *(functools.partial(self._want_row, name) for name in ROW_PROGRAMS)]  # fmt: skip
+
+    def compile(self, wait: bool = True, timeout: float | None = None) -> list[Name]:
+        """Queue every program the engine can need, the essential ones first, then larger decode steps and chunks,
+        then the decode steps with top logprobs; with wait, block until they are built. Returns their names."""
+        wants = self._essential()
+        wants += [functools.partial(self.want_decode, r, False) for r in self.row_buckets()[1:]]
+        wants += [functools.partial(self.want_prefill, t) for t in self.chunk_buckets()[1:]]
+        wants += [functools.partial(self.want_decode, r, True) for r in self.row_buckets()]
+        names = [want(float(i)) for i, want in enumerate(wants)]
+        if wait:
+            self.wait(names, timeout)
+        return names
+
+    def needs(self, request: Request) -> None:
+        """Ask, ahead of every background build, for the programs a queued request runs (its prompt computed
+        whole, in row 0)."""
+        self.essential()
+        self.want_decode(self.row_buckets()[0], request.sampling.top_logprobs > 0, priority=0.0)
+        self._chunks(request, 0)
+
+    def ready(self, request: Request, start: int, rows: int, top: bool) -> bool:
+        """Whether the programs a request needs, its prompt computed from `start`, are built (asking for the
+        missing ones): its chunks, the row programs, and a decode step over rows [0, rows), with top logprobs
+        when top."""
+        names = [*(self._want_row(n, 0.0) for n in ROW_PROGRAMS), *self._chunks(request, start)]
+        missing = [n for n in names if self.compiler.get(n) is None]
+        if self._built_decode(rows, top) is None:
+            missing.append(self.want_decode(next(r for r in self.row_buckets() if r >= rows), top, priority=0.0))
+        return not missing
+
+    def _chunks(self, request: Request, start: int) -> list[Name]:
+        """Ask for the prefill programs a prompt's chunks from token `start` on run."""
+        chunk, left = self.shapes.prefill_chunk, len(request.prompt) - start
+        sizes = [chunk] if left > chunk else []
+        sizes.append(bucket(left % chunk or chunk, chunk))
+        return [self.want_prefill(T, priority=0.0) for T in sizes]
+
+    # ---- sizes and the compiler's state ----------------------------------------------------------
     def row_buckets(self) -> list[int]:
-        return sorted({b for b in ROW_BUCKETS if b < self.max_batch} | {self.max_batch})
+        return sorted({b for b in ROW_BUCKETS if b < self.shapes.max_batch} | {self.shapes.max_batch})
 
     def chunk_buckets(self) -> list[int]:
-        return sorted({bucket(n, self.prefill_chunk) for n in range(1, self.prefill_chunk + 1)})
+        chunk = self.shapes.prefill_chunk
+        return sorted({bucket(n, chunk) for n in range(1, chunk + 1)})
 
     def buckets(self) -> list[int]:
         """The prompt buckets of whole-prompt scoring (echo with logprobs): powers of two from 16 to max_seq's."""
-        return sorted({bucket(n, self.config.n_positions) for n in range(1, self.max_seq + 1)})
+        return sorted({bucket(n, self.shapes.config.n_positions) for n in range(1, self.shapes.max_seq + 1)})
 
-    def want(self, key: ProgramKey, priority: float = 1.0) -> bool:
-        """Ask for a program to be compiled (see the module docstring); True when it is ready."""
-        return self.programs.want(key, key.build(self), priority)
+    def wait(self, names: list[Name], timeout: float | None = None) -> bool:
+        """Block until those programs are built (a failed build raises its error); False after timeout s."""
+        return self.compiler.wait(names, timeout)
 
-    def program(self, key: ProgramKey) -> Any:
-        """A compiled program the engine runs now (compiled here, on the engine thread, only if it was never asked
-        for: admission waits for every program a request needs)."""
-        run = self.programs.get(key)
-        if run is None:
-            self.want(key, priority=-1.0)
-            self.programs.wait([key])
-            run = self.programs.get(key)
-        return run
+    def pending(self) -> list[Name]:
+        """The programs queued or being compiled, the one compiling first."""
+        return self.compiler.pending()
 
-    def essential(self) -> list[ProgramKey]:
-        """The programs the first plain request needs: the smallest decode step and chunk, and the row programs."""
-        return [Decode(self.row_buckets()[0]), Prefill(self.chunk_buckets()[0]), START_ROW, STOP_ROWS, SET_AUTOMATON]
+    def built(self) -> int:
+        """How many programs are built."""
+        return len(self.compiler.built)
 
-    def compile(self, wait: bool = True, timeout: float | None = None) -> list[ProgramKey]:
-        """Queue every program the engine can need, the essential ones first, then larger decode steps and chunks,
-        then the decode steps with top logprobs; with wait, block until they are built. Returns their keys."""
-        keys = self.essential()
-        keys += [Decode(r) for r in self.row_buckets()[1:]] + [Prefill(t) for t in self.chunk_buckets()[1:]]
-        keys += [Decode(r, top=True) for r in self.row_buckets()]
-        for i, key in enumerate(keys):
-            self.want(key, priority=float(i))
-        if wait:
-            self.programs.wait(keys, timeout)
-        return keys
+    def close(self) -> None:
+        self.compiler.close()
 
-    def decoder(self, rows: int, top: bool) -> Decode | None:
-        """The compiled decode step to run for rows [0, rows): the smallest built one that covers them (with top
-        logprobs if asked), or None."""
-        tops = (True,) if top else (False, True)
-        built = [(r, t, Decode(r, t)) for t in tops for r in self.row_buckets()
-                 if r >= rows and self.programs.get(Decode(r, t)) is not None]  # fmt: skip
-        return min(built)[2] if built else None
 
-    def chunks(self, request: Request, start: int) -> list[Prefill]:
-        """The prefill programs a prompt's chunks from token `start` on run."""
-        left = len(request.prompt) - start
-        keys = [Prefill(self.prefill_chunk)] if left > self.prefill_chunk else []
-        last = left % self.prefill_chunk or self.prefill_chunk
-        return keys + [Prefill(bucket(last, self.prefill_chunk))]
+def _decode_name(rows: int, top: bool) -> Name:
+    return Name("decode+top" if top else "decode", rows)
 
-    def needs(self, request: Request) -> list[ProgramKey]:
-        """The programs a request asks for when it is queued (its prompt computed whole, in row 0)."""
-        top = request.sampling.top_logprobs > 0
-        return [*self.essential(), Decode(self.row_buckets()[0], top), *self.chunks(request, 0)]
 
-    def ready(self, request: Request, start: int, row: int) -> bool:
-        """Whether the programs a request needs in `row`, its prompt computed from `start`, are built (asking for the
-        missing ones); a decode step covering every decoding row and this one is enough."""
-        decoding = [b for b, s in enumerate(self.slots) if s is not None]
-        top = request.sampling.top_logprobs > 0 or any(self.slots[b].request.sampling.top_logprobs for b in decoding)
-        rows = max([row, *decoding]) + 1
-        missing = [k for k in [*self.essential()[2:], *self.chunks(request, start)] if self.programs.get(k) is None]
-        if self.decoder(rows, top) is None:
-            missing.append(Decode(next(r for r in self.row_buckets() if r >= rows), top))
-        for key in missing:
-            self.want(key, priority=0.0)
-        return not missing
+def _row_builds(s: Shapes) -> dict[Name, Callable[[], Compiled]]:
+    """How each row program is built, by name."""
+    table = jax.ShapeDtypeStruct((s.blocks_per_row,), jnp.int32)
+    prompt = jax.ShapeDtypeStruct((s.capacity,), jnp.int32)
+    logits = jax.ShapeDtypeStruct(s.state.logits.shape[1:], s.state.logits.dtype)
+    key = jax.ShapeDtypeStruct((), s.state.keys.dtype)
+    rows, automata = jax.ShapeDtypeStruct((s.max_batch,), bool), jax.ShapeDtypeStruct((s.max_batch,), jnp.int32)
+    return {
+        START: lambda: start_row.lower(s.state, I32, table, prompt, I32, logits, key, I32).compile(),
+        STOP: lambda: stop_rows.lower(s.state, rows, I32).compile(),
+        AUTOMATON: lambda: set_automaton.lower(s.state, automata).compile(),
+    }

@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gpt2_jax.sampling.params import BOUNDS, MAX_STOP_STRINGS
+from gpt2_jax.sampling.checks import BOUNDS, MAX_STOP_STRINGS
 from gpt2_jax.serving.schema import ApiError, CompletionRequest, CompletionResponse, ErrorResponse
 
 # API field -> the SamplingParams field whose range it has (the ranges live there: sampling.params.BOUNDS)

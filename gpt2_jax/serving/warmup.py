@@ -15,24 +15,17 @@ import time
 from typing import Any
 
 from gpt2_jax.errors import GPT2JaxError
-from gpt2_jax.generation import prompt_logprobs
 from gpt2_jax.sampling import SamplingParams, constraints
 from gpt2_jax.serving.engine import Engine
 from gpt2_jax.serving.slots import Request, row_key
 
 
 def schedule(engine: Engine, *, echo: bool = True) -> list:
-    """Queue every program, the essential ones first; returns the essential keys."""
-    buckets = engine.buckets()
-    engine.compile(wait=False)
-    essential = engine.essential()  # the smallest decode step and prompt chunk, and the row programs: queued first
+    """Queue every program, the essential ones first; returns the essential programs' names."""
+    engine.programs.compile(wait=False)
+    essential = engine.programs.essential()  # the smallest decode step and prompt chunk, and the row programs
     if echo:
-        params, config = engine.params, engine.config
-        for i, b in enumerate(buckets):  # echo's prompt scores, without and with top logprobs (two widths)
-            n = min(b, engine.max_seq)
-            for kind, top in (("score", 0), ("score+top", 1)):
-                build = lambda n=n, top=top: prompt_logprobs(params, config, [[0] * n], top) is not None
-                engine.programs.want((kind, b), build, priority=100.0 + i)
+        engine.programs.want_scoring()  # echo's prompt scores, behind the engine's own programs
     return essential
 
 

@@ -25,7 +25,7 @@ Shape legend: B rows, V vocab, S slots, k proposals, N steps, R top-logprob entr
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +37,9 @@ from gpt2_jax.model.axes import replicate
 from gpt2_jax.model.gpt2 import forward_cached
 from gpt2_jax.model.kv_cache import KVCache, init_cache
 from gpt2_jax.model.params import Params, float_dtype
+
+if TYPE_CHECKING:  # shapes as annotations only: jaxtyping is not a runtime dependency
+    from jaxtyping import Array, Int
 
 
 class Stats(NamedTuple):
@@ -56,19 +59,9 @@ def _commit(take: jax.Array, new: DecodeState, old: DecodeState) -> DecodeState:
                         automaton=pick(new.automaton, old.automaton))  # fmt: skip
 
 
-def speculate_round(
-    params: Params,
-    draft_params: Params | None,
-    state: DecodeState,
-    dcache: KVCache | None,
-    rules: Rules,
-    until: jax.Array,
-    config: GPT2Config,
-    draft_config: GPT2Config | None,
-    k: int,
-    r: int = 0,
-    hooks=None,
-) -> tuple[DecodeState, KVCache | None, Step, jax.Array]:
+def speculate_round(params: Params, draft_params: Params | None, state: DecodeState, dcache: KVCache | None,
+                    rules: Rules, until: Int[Array, ""], config: GPT2Config, draft_config: GPT2Config | None,
+                    k: int, r: int = 0, hooks=None) -> tuple[DecodeState, KVCache | None, Step, Int[Array, " B"]]:  # fmt: skip
     """One round (module docstring) -> (state, draft cache, Steps [B, k+1] (t0, x_1..x_k), kept [B]).
     A row takes part while it is not done and has fewer than `until` tokens; the others are unchanged.
     draft_config None: prompt lookup. hooks edit the target's forward (gpt2_jax.interp.Hooks), not the draft's."""
@@ -80,6 +73,7 @@ def speculate_round(
     if draft_config is None:
         guess = prompt_lookup(s.history.history, base + 1, k)
     else:
+        assert draft_params is not None and dcache is not None, "a draft model comes with its params and cache"
         prev = s.history.history[rows, base - 1]
         guess, dcache = draft_propose(draft_params, dcache, prev, step0.token, base - 1, k, draft_config)
     logits, cache = forward_cached(params, jnp.concatenate([step0.token[:, None], guess], 1), state.cache, config,
@@ -88,7 +82,8 @@ def speculate_round(
     def check(carry, xs):
         s, ok, kept = carry
         logits_j, guess_j, j = xs
-        view = s._replace(logits=logits_j, cache=KVCache(None, None, base + j))  # draw reads only the lengths
+        # draw reads only the lengths: the view holds no K/V (None), so the scan carries no cache
+        view = s._replace(logits=logits_j, cache=KVCache(None, None, base + j))  # pyright: ignore[reportArgumentType]
         sj, step = draw(view, rules, config.valid_vocab, r)
         take = ok & (step.token == guess_j) & (state.generated + j < until)
         return (_commit(take, sj, s), take & ~sj.done, kept + take), step
@@ -104,7 +99,9 @@ def speculate_round(
     return s, dcache, out, kept
 
 
-def speculate_loop(
+@functools.partial(jax.jit, static_argnames=("config", "draft_config", "steps", "k", "r", "hooks"),
+                   donate_argnames=("state", "dcache"))  # fmt: skip
+def speculate_chunk(
     params: Params,
     draft_params: Params | None,
     state: DecodeState,
@@ -116,12 +113,12 @@ def speculate_loop(
     draft_config: GPT2Config | None,
     steps: int,
     k: int,
-    r: int,
+    r: int = 0,
     hooks=None,
 ):
     """Rounds until every row is done or holds `until` tokens (at most `rounds` rounds) -> (state, draft
-    cache, Steps [B, steps] from the row's count at entry (the fill and 0 after its last token), tokens
-    made [B], Stats)."""
+    cache, (Steps [B, steps] from the row's count at entry (the fill and 0 after its last token), tokens
+    made [B], Stats)); state and draft cache are donated (updated in place)."""
     B = state.logits.shape[0]
     start = state.generated
     rows = jnp.arange(B)[:, None]
@@ -146,30 +143,11 @@ def speculate_loop(
     carry = (jnp.zeros((), jnp.int32), state, dcache, empty_steps(B, steps, r), Stats(zeros, zeros, zeros))
     _, state, dcache, out, stats = jax.lax.while_loop(running, body, carry)
     made = state.generated - start
-    return state, dcache, fill_after(out, state.fill, made), made, stats
-
-
-@functools.partial(jax.jit, static_argnames=("config", "draft_config", "steps", "k", "r", "hooks"),
-                   donate_argnames=("state", "dcache"))  # fmt: skip
-def speculate_chunk(
-    params: Params,
-    draft_params: Params | None,
-    state: DecodeState,
-    dcache: KVCache | None,
-    rules: Rules,
-    until: jax.Array,
-    rounds: jax.Array,
-    config: GPT2Config,
-    draft_config: GPT2Config | None,
-    steps: int,
-    k: int,
-    r: int = 0,
-    hooks=None,
-):
-    """speculate_loop, jitted; state and draft cache are donated (updated in place)."""
-    state, dcache, out, made, stats = speculate_loop(params, draft_params, state, dcache, rules, until, rounds,
-                                                     config, draft_config, steps, k, r, hooks)  # fmt: skip
-    return state._replace(done=replicate(state.done)), dcache, replicate((out, made, stats))
+    return (
+        state._replace(done=replicate(state.done)),
+        dcache,
+        replicate((fill_after(out, state.fill, made), made, stats)),
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("draft_config", "capacity"))

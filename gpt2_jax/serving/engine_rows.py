@@ -1,0 +1,202 @@
+"""The engine's rows and the work one step does on them: admission, one prompt chunk, one decode step, rows ending.
+
+EngineRows holds the max_batch slots on the host (serving.slots), the pool of KV blocks they share
+(serving.blocks) and their device batch (serving.batch), and runs the engine's programs over them
+(serving.engine_programs). The Engine's lock guards the slots and the queue: the engine thread changes them, and
+submit, stats and drain read them from other threads.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from gpt2_jax.config import GPT2Config
+from gpt2_jax.generation.batching import bucket
+from gpt2_jax.generation.chunks import token_bytes
+from gpt2_jax.generation.stop_strings import StopMatcher
+from gpt2_jax.model import Params
+from gpt2_jax.model.attention import KEY_BLOCK
+from gpt2_jax.serving.batch import DeviceBatch
+from gpt2_jax.serving.blocks import BlockPool
+from gpt2_jax.serving.engine_checks import automaton
+from gpt2_jax.serving.engine_programs import EnginePrograms, Shapes
+from gpt2_jax.serving.slots import Cancelled, Request, Slot, tell
+
+Ended = tuple[int, str, Any]  # a row that ends: (row, event kind, payload)
+
+
+class EngineRows:
+    """max_batch rows over num_blocks KV blocks of blocks_per_row each, and the programs that run on them."""
+
+    def __init__(self, params: Params, config: GPT2Config, lock: threading.Condition, *, max_batch: int,
+                 max_seq: int, num_blocks: int, prefill_chunk: int, max_constraint_states: int,
+                 constraint_classes: int, on_built: Callable[[Any, float], None]):  # fmt: skip
+        self.params, self.config, self.lock = params, config, lock
+        self.max_batch, self.num_blocks, self.prefill_chunk = max_batch, num_blocks, prefill_chunk
+        self.blocks_per_row = -(-max_seq // KEY_BLOCK)
+        self.capacity = self.blocks_per_row * KEY_BLOCK
+        self.constraint_sizes = (max_constraint_states, constraint_classes)
+        self.slots: list[Slot | None] = [None] * max_batch
+        self.generated_tokens = self.prefill_tokens = self.admitted = 0
+        self.reset()
+        b = self.batch
+        shapes = Shapes(params, config, b.state_spec, b.rules_spec, max_batch, max_seq, prefill_chunk,
+                        self.blocks_per_row, self.capacity)  # fmt: skip
+        self.programs = EnginePrograms(shapes, on_built)
+
+    def reset(self) -> None:
+        """Every block free, the prefix cache empty, the device batch new."""
+        self.pool = BlockPool(self.num_blocks, KEY_BLOCK)
+        self.batch = DeviceBatch(self.params, self.config, self.max_batch, self.num_blocks, self.blocks_per_row,
+                                 *self.constraint_sizes)  # fmt: skip
+
+    def fail(self, error: Exception) -> None:
+        """Every request in flight gets the error, and the rows start over."""
+        with self.lock:
+            failed = [s for s in self.slots if s is not None]
+            self.slots = [None] * self.max_batch
+        for slot in failed:
+            tell(slot.request, "error", error)
+        self.reset()
+
+    def active(self) -> list[Slot]:
+        return [s for s in self.slots if s is not None]
+
+    def busy(self) -> list[int]:
+        """The rows in use."""
+        return [b for b, s in enumerate(self.slots) if s is not None]
+
+    def admit(self, queue: collections.deque[Request]) -> None:
+        """Give free rows to queued requests that can start now, in queue order, lowest row first (one that only
+        waits for programs or table room lets the ones behind it pass; one that waits for blocks does not)."""
+        admitted, dropped = [], []
+        with self.lock:
+            free = [b for b in range(self.max_batch) if self.slots[b] is None]
+            for request in list(queue):
+                if not free:
+                    break
+                if request.cancelled:
+                    queue.remove(request)
+                    dropped.append(request)
+                    continue
+                a = automaton(request, self.config)
+                if a is not None and not self.batch.fits([s.automaton for s in self.active()], a):
+                    continue  # waits for room in the constraint tables
+                n = len(request.prompt)
+                plan = self.pool.plan(request.prompt, min(n + request.sampling.max_new_tokens, self.capacity))
+                if plan is None:
+                    break  # waits for blocks, and so does everyone behind it
+                if self.pool.waits_for(plan, n) or not self._ready(request, len(plan.reused) * KEY_BLOCK, free[0]):
+                    continue
+                queue.remove(request)
+                b = free.pop(0)
+                stops = StopMatcher(request.prepared.stops, token_bytes(None)) if request.sampling.stop else None
+                self.slots[b] = Slot(request, 0, stops, a, self.pool.take(plan, n), plan.names,
+                                     len(plan.reused) * KEY_BLOCK, False, self.admitted)  # fmt: skip
+                self.admitted += 1
+                admitted.append((b, self.slots[b]))
+        for request in dropped:
+            tell(request, "error", Cancelled("cancelled before it started"))
+        for b, slot in admitted:
+            self.batch.set_row(b, slot.request.prepared.rules)
+            if slot.automaton is not None:
+                self._repack()
+
+    def _ready(self, request: Request, start: int, row: int) -> bool:
+        """Whether the programs the request needs in `row` are built; a decode step covering every busy row and
+        this one is enough."""
+        top = request.sampling.top_logprobs > 0 or any(s.request.sampling.top_logprobs for s in self.active())
+        return self.programs.ready(request, start, max([row, *self.busy()]) + 1, top)
+
+    def _repack(self) -> None:
+        decoding = np.array([s is not None and s.decoding for s in self.slots])
+        self.batch.repack([s.automaton if s is not None else None for s in self.slots], decoding,
+                          self.programs.set_automaton())  # fmt: skip
+
+    def _table(self, slot: Slot) -> np.ndarray:
+        table = np.zeros(self.blocks_per_row, np.int32)  # NULL_BLOCK past the row's blocks
+        table[: len(slot.blocks)] = slot.blocks
+        return table
+
+    def prefill(self) -> bool:
+        """One chunk of the prompt admitted first among those still going in; False when none is."""
+        waiting = [(s.order, b) for b, s in enumerate(self.slots) if s is not None and not s.decoding]
+        if not waiting:
+            return False
+        b = min(waiting)[1]
+        slot = self.slots[b]
+        assert slot is not None, "a waiting row is busy"
+        prompt, start = slot.request.prompt, slot.prefilled
+        n = min(len(prompt) - start, self.prefill_chunk)
+        tokens = np.full(bucket(n, self.prefill_chunk), prompt[start + n - 1], np.int32)  # padding: a real token
+        tokens[:n] = prompt[start : start + n]
+        table = self._table(slot)
+        run = self.programs.prefill(len(tokens))
+        self.batch.state, logits = run(self.params, self.batch.state, table, tokens, np.int32(start), np.int32(n - 1))
+        slot.prefilled += n
+        self.prefill_tokens += n
+        self.pool.register(slot.blocks, slot.names, min(slot.prefilled // KEY_BLOCK, len(slot.names)))
+        if slot.prefilled == len(prompt):
+            padded = np.full(self.capacity, prompt[-1], np.int32)
+            padded[: len(prompt)] = prompt
+            key = slot.request.prepared.batch.keys[0]
+            self.batch.state = self.programs.start_row()(
+                self.batch.state, np.int32(b), table, padded, np.int32(len(prompt)), logits, key,
+                np.int32(self.batch.start_state(b)),
+            )  # fmt: skip
+            slot.decoding = True
+        return True
+
+    def decode(self, decoding: list[int]) -> None:
+        """One decode step over the decoding rows: each gets its token, and the rows that are done end."""
+        slots = [(b, s) for b in decoding if (s := self.slots[b]) is not None]
+        run = self.programs.decode(max(decoding) + 1, any(s.request.sampling.top_logprobs for _, s in slots))
+        if run is None:  # not compiled yet (admission waits for it, so only after a failure): try again soon
+            time.sleep(0.01)
+            return
+        self.batch.state, out = run(self.params, self.batch.state, self.batch.rules)
+        token, logprob = np.asarray(out.token), np.asarray(out.logprob)
+        top_ids, top_lp = np.asarray(out.top_ids), np.asarray(out.top_logprobs)
+        done = np.asarray(self.batch.state.done)
+        ended: list[Ended] = []
+        for b, slot in slots:
+            n = slot.request.sampling.top_logprobs
+            slot.made += 1
+            self.generated_tokens += 1
+            tell(slot.request, "token", (int(token[b]), float(logprob[b]), top_ids[b, :n].tolist(),
+                                           top_lp[b, :n].tolist()))  # fmt: skip
+            hit = slot.stops.feed(0, [int(token[b])]) if slot.stops else None
+            if hit is not None:
+                ended.append((b, "done", ("stop", hit.stop)))
+            elif done[b]:
+                ended.append((b, "done", ("stop", None)))
+            elif slot.made >= slot.request.sampling.max_new_tokens:
+                ended.append((b, "done", ("length", None)))
+        self.finish(ended)
+
+    def finish(self, ended: list[Ended]) -> None:
+        """End rows: halt them, free their blocks (named ones stay cached), tell their requests."""
+        if not ended:
+            return
+        mask = np.zeros(self.max_batch, bool)
+        slots: list[Slot] = []
+        with self.lock:
+            for b, _, _ in ended:
+                slot, self.slots[b] = self.slots[b], None
+                assert slot is not None, "only a busy row ends"
+                mask[b] = True
+                slots.append(slot)
+            self.lock.notify_all()
+        self.batch.state = self.programs.stop_rows()(self.batch.state, mask, np.int32(self.batch.filler))
+        for slot in slots:
+            self.pool.release(slot.blocks, slot.names)
+        if any(s.automaton is not None for s in slots):
+            self._repack()
+        for slot, (_, kind, payload) in zip(slots, ended):
+            tell(slot.request, kind, payload)
