@@ -90,7 +90,8 @@ def available() -> str | None:
     """The instruction set the float32 kernels run with on this CPU ("avx512" or "avx2"), or None where XLA's
     matmul stands in (extension not built, or a CPU without AVX2 and FMA). Some row counts take another path
     (one row on AMD takes AVX2's tiles): report() says which path each op takes."""
-    return _cpu.isa() if _REGISTERED else None
+    lib = dispatch_module()
+    return None if lib is None else lib.isa()
 
 
 def dispatch_module():
@@ -200,7 +201,8 @@ def round_rows_8bit(x: jax.Array) -> jax.Array:
 def int8_isa() -> str | None:
     """The instruction set rowdot_int8 runs with here ("amx-int8", "avx512-vnni", "avx512" or "avx2"), or None where
     XLA's matmul stands in."""
-    return _cpu.isa_int8() if _REGISTERED else None
+    lib = dispatch_module()
+    return None if lib is None else lib.isa_int8()
 
 
 def chain(
@@ -223,7 +225,7 @@ def _product(is_chain: bool, x, w, out_ends, in_ends) -> jax.Array:
     if isinstance(w, Entry):
         return _entry(is_chain, x, w, ends, mode)
     if isinstance(w, Paged):
-        if not is_chain:
+        if not is_chain or ends is None:  # chain always has ends (zeros when none are given)
             raise ValueError("a paged operand is chain's (attention's keys and values)")
         return _paged(x, w, ends, mode)
     if ends is None:
@@ -375,7 +377,7 @@ def _dense(x: jax.Array, w: jax.Array) -> jax.Array:
     return _primal(x, w)
 
 
-_dense.defvjp(lambda x, w: (_primal(x, w), (x, w)), lambda res, g: _grads(*res, g, False))
+_dense.defvjp(lambda x, w: (_primal(x, w), (x, w)), lambda res, g: _grads(res[0], res[1], g, False))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))

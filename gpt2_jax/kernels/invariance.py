@@ -8,11 +8,14 @@ path, padded with copies of the first row whose results are dropped.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 MIN_REDUCE = 16384  # elements
+Rows = TypeVar("Rows", jax.Array, np.ndarray)  # pad_rows keeps a host array on the host
 
 
 def min_rows(rows: int, row_size: int) -> int:
@@ -26,8 +29,11 @@ def min_rows(rows: int, row_size: int) -> int:
     return 8 * whole + (0 if tail == 0 else 1 << (tail - 1).bit_length())
 
 
-def pad_rows(x: jax.Array, rows: int) -> jax.Array:
+def pad_rows(x: Rows, rows: int) -> Rows:
     """x [B, ...] with copies of row 0 appended up to `rows` rows (a host array stays on the host)."""
     extra = rows - x.shape[0]
-    xp = np if isinstance(x, np.ndarray) else jnp
-    return x if extra <= 0 else xp.concatenate([x, xp.broadcast_to(x[:1], (extra, *x.shape[1:]))])
+    if extra <= 0:
+        return x
+    if isinstance(x, np.ndarray):
+        return np.concatenate([x, np.broadcast_to(x[:1], (extra, *x.shape[1:]))])
+    return jnp.concatenate([x, jnp.broadcast_to(x[:1], (extra, *x.shape[1:]))])

@@ -40,7 +40,8 @@ class Packed:
 
     @classmethod
     def tree_unflatten(cls, shape, children):
-        return cls(*children, shape)
+        data, lut, esc_off, esc = children
+        return cls(data, lut, esc_off, esc, shape)
 
     @property
     def dtype(self):
