@@ -19,6 +19,8 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from gpt2_jax.errors import ConfigError
+
 AXES = ("data", "model")
 # Shape-legend letter -> the mesh axis that splits it; every other letter stays whole.
 _LETTER_AXIS = {"B": "data", "H": "model", "F": "model"}
@@ -28,7 +30,10 @@ def mesh_of(params: dict) -> Mesh | None:
     """The ("data", "model") mesh params are laid out on, or None for a single device."""
     sharding = getattr(params["wte"], "sharding", None)
     if isinstance(sharding, NamedSharding) and set(AXES) <= set(sharding.mesh.axis_names):
-        return sharding.mesh if sharding.mesh.size > 1 else None
+        mesh = sharding.mesh
+        if not isinstance(mesh, Mesh):  # a concrete array's sharding names its devices; a traced one's may not
+            raise ConfigError("mesh_of needs the params themselves, not values traced from them")
+        return mesh if mesh.size > 1 else None
     return None
 
 

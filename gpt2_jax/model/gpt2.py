@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 
@@ -18,11 +19,14 @@ from gpt2_jax.model.invariant import F32, within
 from gpt2_jax.model.kv_cache import CacheView, KVCache
 from gpt2_jax.model.layer_loop import layer_at, n_layers, scan_layers
 from gpt2_jax.model.layers import block, layer_norm
+from gpt2_jax.model.paged_cache import PagedKVCache, PagedView
 from gpt2_jax.model.params import Params
 from gpt2_jax.model.precision_type import Precision
 
 if TYPE_CHECKING:  # shapes as annotations only: jaxtyping is not a runtime dependency
-    from jaxtyping import Array, Float, Int
+    from jaxtyping import Array, Float, Int, Key
+
+Cache = TypeVar("Cache", KVCache, PagedKVCache)  # forward_cached hands back the kind of cache it was given
 
 
 def embed(
@@ -50,14 +54,14 @@ def unembed(params: Params, h: Float[Array, "B T D"], config: GPT2Config, tap=No
 
 def run_blocks(
     params: Params,
-    x: jax.Array,
+    x: Float[Array, "B T D"],
     config: GPT2Config,
-    cache: CacheView | None = None,
-    key: jax.Array | None = None,
+    cache: CacheView | PagedView | None = None,
+    key: Key[Array, ""] | None = None,
     tap=None,
     unroll: int = 1,
     remat: bool = False,
-) -> tuple[jax.Array, CacheView | None]:
+) -> tuple[Float[Array, "B T D"], CacheView | PagedView | None]:
     """x [B, T, D] -> (x [B, T, D], cache): the L blocks as one lax.scan over the layer index (compile
     time independent of L), per-layer or stacked params alike (see gpt2_jax.model.layer_loop). With a cache, each
     block writes its K/V into it; with a key, layer i's dropout uses fold_in(key, i). With a tap
@@ -73,7 +77,7 @@ def run_blocks(
         layer_key = None if key is None else jax.random.fold_in(key, i)
         layer_tap = None if tap is None else tap.layer(i)
         x, cache = block(layer_at(layers, i), x, config, i, cache, layer_key, layer_tap, precision)
-        return (x, cache, None if tap is None else layer_tap.save(store)), None
+        return (x, cache, None if layer_tap is None else layer_tap.save(store)), None
 
     store = None if tap is None else tap.new_store(x.shape[0], x.shape[1], S)
     step = jax.checkpoint(step) if remat else step
@@ -83,7 +87,9 @@ def run_blocks(
     return x, cache
 
 
-def apply(params: Params, tokens: jax.Array, config: GPT2Config, key: jax.Array | None = None, tap=None) -> jax.Array:
+def apply(
+    params: Params, tokens: Int[Array, "B T"], config: GPT2Config, key: Key[Array, ""] | None = None, tap=None
+) -> Float[Array, "B T V"]:
     """tokens [B, T] -> logits [B, T, V], unjitted and unchecked. A key turns on dropout (training only);
     a tap (gpt2_jax.interp) records or edits the activations at TransformerLens's hook points."""
     return unembed(params, trunk(params, tokens, config, key, tap), config, tap)
@@ -91,13 +97,13 @@ def apply(params: Params, tokens: jax.Array, config: GPT2Config, key: jax.Array 
 
 def trunk(
     params: Params,
-    tokens: jax.Array,
+    tokens: Int[Array, "B T"],
     config: GPT2Config,
-    key: jax.Array | None = None,
+    key: Key[Array, ""] | None = None,
     tap=None,
     unroll: int = 1,
     remat: bool = False,
-) -> jax.Array:
+) -> Float[Array, "B T D"]:
     """tokens [B, T] -> the last block's output [B, T, D]: embeddings (dropped out with a key), then the
     blocks (run_blocks; unroll and remat are the training step's options). apply's body before unembed."""
     k_embd, k_blocks = (None, None) if key is None else jax.random.split(key)
@@ -107,7 +113,7 @@ def trunk(
 
 
 @functools.partial(jax.jit, static_argnames="config")
-def _forward(params: Params, tokens: jax.Array, config: GPT2Config) -> jax.Array:
+def _forward(params: Params, tokens: Int[Array, "B T"], config: GPT2Config) -> Float[Array, "B T V"]:
     return apply(params, tokens, config)  # no key: inference never applies dropout
 
 
@@ -130,7 +136,7 @@ def check_tokens(tokens, config: GPT2Config) -> None:
         raise InputError(f"token id {int(values[b, t])} at [{b}, {t}] is outside the vocab [0, {config.vocab_size})")
 
 
-def forward(params: Params, tokens, config: GPT2Config) -> jax.Array:
+def forward(params: Params, tokens, config: GPT2Config) -> Float[Array, "B T V"]:
     """tokens int32 [B, T] -> logits float32 [B, T, V]. jit-compiled; no dropout."""
     tokens = tokens if isinstance(tokens, jax.Array) else np.asarray(tokens)
     check_tokens(tokens, config)
@@ -139,8 +145,13 @@ def forward(params: Params, tokens, config: GPT2Config) -> jax.Array:
 
 
 def forward_cached(
-    params: Params, tokens: jax.Array, cache: KVCache, config: GPT2Config, last: jax.Array | None = None, hooks=None
-) -> tuple[jax.Array, KVCache]:
+    params: Params,
+    tokens: Int[Array, "B T"],
+    cache: Cache,
+    config: GPT2Config,
+    last: Int[Array, " B"] | None = None,
+    hooks=None,
+) -> tuple[Float[Array, "B T V"] | Float[Array, "B 1 V"], Cache]:
     """tokens [B, T] into row b's slots [lengths[b], lengths[b] + T) -> (logits [B, T, V], cache with
     lengths + T). last [B]: return only the logits at that index of each row ([B, 1, V]; a prefill
     needs just each prompt's last token). The blocks are the ones forward runs: each writes its new
@@ -158,7 +169,16 @@ def forward_cached(
     # Slots past the context only ever hold padding (a finished row, a prompt's right padding): clamping
     # their position keeps the cache finite, since a masked slot's value still meets a zero weight.
     x = constrain(embed(params, tokens, jnp.minimum(slots, config.n_positions - 1), tap), "BTD")
-    x, view = run_blocks(params, x, config, view, None, tap)
+    x, written = run_blocks(params, x, config, view, None, tap)
     if last is not None:
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)  # [B, 1, D]
-    return unembed(params, x, config, tap), cache.after(view, T)
+    return unembed(params, x, config, tap), _after(cache, written, T)
+
+
+def _after(cache: Cache, view: CacheView | PagedView | None, T: int) -> Cache:
+    """The cache once its view (the one cache.view made, written by the blocks) took T more tokens per row."""
+    if isinstance(cache, KVCache) and isinstance(view, CacheView):
+        return cache.after(view, T)
+    if isinstance(cache, PagedKVCache) and isinstance(view, PagedView):
+        return cache.after(view, T)
+    raise InputError(f"a {type(cache).__name__} came back from the blocks as a {type(view).__name__}")
