@@ -4,12 +4,22 @@ from jax.monitoring's events."""
 
 from __future__ import annotations
 
+from typing import cast
+
 import jax
+import numpy as np
 
 
 def pow2_bucket(n: int, minimum: int = 1) -> int:
     """The smallest power of two >= max(n, minimum, 1): a shape rounded so that nearby sizes share a program."""
     return 1 << (max(n, minimum, 1) - 1).bit_length()
+
+
+def traced(x: np.ndarray) -> jax.Array:
+    """A host array as the jax.Array that jit traces it into (the identity). A pytree's fields are typed as
+    the compiled program sees them, while concrete values stay host arrays, so no eager op compiles per value
+    and the program's argument placement decides where they land."""
+    return cast(jax.Array, x)
 
 
 # JAX's own duration events for the three stages of turning a call into a program.
@@ -27,9 +37,9 @@ class CompileTimer:
     def __init__(self) -> None:
         self.seconds = 0.0
 
-    def _listen(self, event: str, duration: float, **_) -> None:
+    def _listen(self, event: str, duration_secs: float, **_: str | int) -> None:
         if event in _EVENTS:
-            self.seconds += duration
+            self.seconds += duration_secs
 
     def __enter__(self) -> CompileTimer:
         jax.monitoring.register_event_duration_secs_listener(self._listen)
@@ -47,10 +57,10 @@ class CompileCount:
     def __init__(self) -> None:
         self.programs, self.seconds = 0, 0.0
 
-    def _listen(self, event: str, duration: float, **_) -> None:
+    def _listen(self, event: str, duration_secs: float, **_: str | int) -> None:
         if event == _EVENTS[2]:
             self.programs += 1
-            self.seconds += duration
+            self.seconds += duration_secs
 
     def start(self) -> CompileCount:
         jax.monitoring.register_event_duration_secs_listener(self._listen)

@@ -4,13 +4,13 @@ bucketed arrays, keys and the rules a decode step applies (`prepare`)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gpt2_jax.compiling import pow2_bucket
+from gpt2_jax.compiling import pow2_bucket, traced
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import ConfigError, InputError
 from gpt2_jax.generation.decode import Rules, StopRule
@@ -21,9 +21,13 @@ from gpt2_jax.model.axes import data_size, mesh_of
 from gpt2_jax.model.params import Params
 from gpt2_jax.sampling import constraints
 from gpt2_jax.sampling.checks import MAX_STOP_IDS
+from gpt2_jax.sampling.constraints.automaton import Automaton
 from gpt2_jax.sampling.constraints.tables import pack
 from gpt2_jax.sampling.metadata import pack_processors, pack_settings, row_keys
 from gpt2_jax.sampling.params import SamplingParams
+
+if TYPE_CHECKING:  # shapes as annotations only: jaxtyping is not a runtime dependency
+    from jaxtyping import Array, Bool, Int, Key
 
 MIN_BUCKET = 16
 
@@ -120,10 +124,10 @@ def _stop_rule(rows: list[SamplingParams], eos: list[int | None]) -> StopRule:
     ids = np.full((len(rows), MAX_STOP_IDS), -1, np.int32)
     for b, r in enumerate(rows):
         ids[b, : len(r.stop_ids)] = r.stop_ids
-    return StopRule(np.array([-1 if e is None else e for e in eos], np.int32), ids)
+    return StopRule(traced(np.array([-1 if e is None else e for e in eos], np.int32)), traced(ids))
 
 
-def _keys(key: Any, rows: list[SamplingParams]) -> jax.Array:
+def _keys(key: Any, rows: list[SamplingParams]) -> Key[Array, " B"]:
     """Row b's key: fold_in(jax.random.key(seed), b) when its SamplingParams has a seed, else from `key`
     (one key: fold_in(key, b); or one per row)."""
     B = len(rows)
@@ -132,20 +136,31 @@ def _keys(key: Any, rows: list[SamplingParams]) -> jax.Array:
         raise ConfigError("generate needs a key (jax.random.key(...)), or a seed in every row's SamplingParams")
     keys = None if key is None else row_keys(key, B)
     if (seeds < 0).all():
+        if keys is None:  # checked above: a row without a seed needs the key
+            raise ConfigError("generate needs a key (jax.random.key(...)) for the rows without a seed")
         return keys
     seeded = _seeded_keys(jnp.asarray(seeds.astype(np.uint32)), jnp.arange(B, dtype=jnp.int32))
     return seeded if keys is None else _pick_keys(jnp.asarray(seeds >= 0), seeded, keys)
 
 
 @jax.jit
-def _seeded_keys(seeds: jax.Array, rows: jax.Array) -> jax.Array:
+def _seeded_keys(seeds: Int[Array, " B"], rows: Int[Array, " B"]) -> Key[Array, " B"]:
     return jax.vmap(lambda s, b: jax.random.fold_in(jax.random.key(s), b))(seeds, rows)
 
 
 @jax.jit
-def _pick_keys(use: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
+def _pick_keys(use: Bool[Array, " B"], a: Key[Array, " B"], b: Key[Array, " B"]) -> Key[Array, " B"]:
     data = jnp.where(use[:, None], jax.random.key_data(a), jax.random.key_data(b))
     return jax.random.wrap_key_data(data)
+
+
+def _automaton(s: SamplingParams, vocab_size: int, eos: int | None) -> Automaton | None:
+    """The row's compiled constraint, or None without one."""
+    if s.constraint is None:
+        return None
+    if eos is None:  # SamplingParams.check refuses a constraint without an EOS, so this is a bug
+        raise ConfigError("a constraint needs an EOS id to end on; pass eos_id=50256")
+    return constraints.compile_constraint(s.constraint, vocab_size, eos)
 
 
 def prepare(params: Params, config: GPT2Config, prompts: Any, key: Any, sampling: list[SamplingParams],
@@ -164,8 +179,7 @@ def prepare(params: Params, config: GPT2Config, prompts: Any, key: Any, sampling
         s.check(config.vocab_size, e)
     settings = pack_settings(sampling)
     procs = pack_processors(sampling, eos)
-    automata = [None if s.constraint is None else constraints.compile_constraint(s.constraint, config.vocab_size, e)
-                for s, e in zip(sampling, eos)]  # fmt: skip
+    automata = [_automaton(s, config.vocab_size, e) for s, e in zip(sampling, eos)]
     tables = pack(automata, config.vocab_size)
     rows = -(-B // data_size(mesh)) * data_size(mesh)
     tokens, lengths, keys, settings, procs, stop, group, start = jax.tree.map(

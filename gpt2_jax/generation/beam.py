@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from gpt2_jax.compiling import pow2_bucket
+from gpt2_jax.compiling import pow2_bucket, traced
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import ConfigError
 from gpt2_jax.generation.batching import as_prompts, prepare
@@ -119,11 +119,12 @@ def beam_rules(beam: dict, rows: list[SamplingParams], config: GPT2Config, steps
     k = np.array(beam["num_beams"], np.int32)
     n_stops = np.array([(s.eos(config) is not None) + len(s.stop_ids) for s in rows], np.int32)
     return BeamRules(
-        beams=k, norm=norm,
-        hopeful=np.array([e == "never" for e in es]) & (lp > 0),
-        early=np.array([e is True for e in es]) | (k == 1),  # 1 beam: greedy search, as transformers
-        sample=np.array(beam["do_sample"], bool), max_new=np.array([s.max_new_tokens for s in rows], np.int32),
-        kept=np.maximum(2, 1 + n_stops) * k,
+        beams=traced(k), norm=traced(norm),
+        hopeful=traced(np.array([e == "never" for e in es]) & (lp > 0)),
+        early=traced(np.array([e is True for e in es]) | (k == 1)),  # 1 beam: greedy search, as transformers
+        sample=traced(np.array(beam["do_sample"], bool)),
+        max_new=traced(np.array([s.max_new_tokens for s in rows], np.int32)),
+        kept=traced(np.maximum(2, 1 + n_stops) * k),
     )  # fmt: skip
 
 
@@ -203,5 +204,6 @@ def _result(out, rows: list[SamplingParams], returned: list[int], config: GPT2Co
                 tokens[b, r, m:] = eos if eos is not None else tokens[b, r, m - 1]
             why.append("stop" if m and int(tokens[b, r, m - 1]) in stops else "length")
         reasons.append(why)
-    steps = BeamSteps(*(np.asarray(x)[:, :n] for x in trace), np.asarray(count))
+    took, parent, score = (np.asarray(x)[:, :n] for x in trace)
+    steps = BeamSteps(took, parent, score, np.asarray(count))
     return BeamResult(tokens, lengths, scores, parents, logprobs, reasons, steps)

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from gpt2_jax.config import GPT2Config
+from gpt2_jax.errors import ConfigError
 from gpt2_jax.generation.decode import DecodeState, Rules, Step, draw, feed
 from gpt2_jax.model.attention import KEY_BLOCK
 from gpt2_jax.model.gpt2 import forward_cached
@@ -43,8 +44,9 @@ def init_paged(config: GPT2Config, rows: int, num_blocks: int, blocks_per_row: i
     )
     keys = jax.random.split(jax.random.key(0), rows)
     zero = lambda: jnp.zeros(rows, jnp.int32)
-    return DecodeState(cache, jnp.zeros((rows, V), jnp.float32), keys, jnp.ones(rows, bool), zero() + filler, zero(),
-                       history, zero())  # fmt: skip
+    # DecodeState's cache is typed as generate's contiguous one; every decode step runs on either kind
+    return DecodeState(cache, jnp.zeros((rows, V), jnp.float32), keys, jnp.ones(rows, bool),  # pyright: ignore[reportArgumentType]
+                       zero() + filler, zero(), history, zero())  # fmt: skip
 
 
 @functools.partial(jax.jit, static_argnames="config", donate_argnames="state")
@@ -54,7 +56,7 @@ def prefill_chunk(params: Params, state: DecodeState, table: jax.Array, tokens: 
     place in the state's pool, donated) -> (state, logits [V] of chunk token `last`). Slots before `start` already
     hold the prompt's earlier tokens (earlier chunks, or shared blocks); tokens past the prompt (a chunk's padding)
     land in slots the row overwrites before it reads them, or in the null block."""
-    pool = state.cache
+    pool = _pool(state)
     cache = PagedKVCache(pool.k, pool.v, table[None], start[None])
     logits, cache = forward_cached(params, tokens[None], cache, config, last=last[None])
     return state._replace(cache=pool._replace(k=cache.k, v=cache.v)), logits[0, 0]
@@ -68,7 +70,8 @@ def start_row(state: DecodeState, row: jax.Array, table: jax.Array, prompt: jax.
     S, V = state.history.history.shape[1], state.logits.shape[1]
     history = init_processor_state(prompt[None], length[None], S, V)
     at = lambda big, small: big.at[row].set(small)
-    cache = state.cache._replace(table=at(state.cache.table, table), lengths=at(state.cache.lengths, length))
+    pool = _pool(state)
+    cache = pool._replace(table=at(pool.table, table), lengths=at(pool.lengths, length))
     return state._replace(
         cache=cache, logits=at(state.logits, logits), keys=at(state.keys, key), done=at(state.done, False),
         fill=at(state.fill, 0), generated=at(state.generated, 0),
@@ -81,9 +84,17 @@ def start_row(state: DecodeState, row: jax.Array, table: jax.Array, prompt: jax.
 def stop_rows(state: DecodeState, rows: jax.Array, filler: jax.Array) -> DecodeState:
     """Rows [B] bool stop decoding: halted (emitting `filler`) and their tables back to the null block, so the
     blocks they held can go to other rows."""
-    table = jnp.where(rows[:, None], NULL_BLOCK, state.cache.table)
-    return state._replace(cache=state.cache._replace(table=table), done=state.done | rows,
+    pool = _pool(state)
+    table = jnp.where(rows[:, None], NULL_BLOCK, pool.table)
+    return state._replace(cache=pool._replace(table=table), done=state.done | rows,
                           fill=jnp.where(rows, filler, state.fill))  # fmt: skip
+
+
+def _pool(state: DecodeState) -> PagedKVCache:
+    """The state's paged cache: init_paged's states hold one, never generate's contiguous KVCache."""
+    if not isinstance(state.cache, PagedKVCache):
+        raise ConfigError(f"a paged decode step needs init_paged's state, got a {type(state.cache).__name__}")
+    return state.cache
 
 
 def _head(tree, rows: int):
@@ -95,13 +106,13 @@ def decode_rows(params: Params, state: DecodeState, rules: Rules, config: GPT2Co
                 r: int = 0) -> tuple[DecodeState, Step]:  # fmt: skip
     """decode_step over rows [0, rows) of a paged state: draw a token [rows] per row, feed it back (the pool is
     shared, every other row is left as it is) -> (state, Step [rows])."""
-    pool = state.cache
+    pool = _pool(state)
     head = _head(state._replace(cache=None), rows)._replace(
         cache=PagedKVCache(pool.k, pool.v, pool.table[:rows], pool.lengths[:rows])
     )
     c = rules.constraint
-    head_rules = Rules(*_head((rules.settings, rules.processors, rules.stop), rows),
-                       c._replace(group=c.group[:rows], start=c.start[:rows]))  # fmt: skip
+    settings, processors, stop = _head((rules.settings, rules.processors, rules.stop), rows)
+    head_rules = Rules(settings, processors, stop, c._replace(group=c.group[:rows], start=c.start[:rows]))
     head, step = draw(head, head_rules, config.valid_vocab, r)
     head = feed(params, head, step.token, config)
     put = lambda big, small: big.at[:rows].set(small)

@@ -12,15 +12,19 @@ Shape legend: B rows, N logit-bias entries, W banned words, M tokens per word.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 
-from gpt2_jax.compiling import pow2_bucket
+from gpt2_jax.compiling import pow2_bucket, traced
 from gpt2_jax.errors import ConfigError
 from gpt2_jax.sampling.params import RULES, SamplingParams, check_values, sampling_rows
+
+if TYPE_CHECKING:  # shapes as annotations only: jaxtyping is not a runtime dependency
+    from jaxtyping import Array, Key
 
 
 class RowSettings(NamedTuple):
@@ -67,10 +71,10 @@ def row_settings(temperature: Any, top_k: Any, top_p: Any, batch_size: int, min_
     min_p = min_p if _is_tracer(min_p) else check_values("min_p", min_p, batch_size)
     shape = (batch_size,)
 
-    def rows(x, dtype):  # concrete values stay host arrays, so no eager op compiles per value
+    def rows(x: Any, dtype: Any) -> jax.Array:  # concrete values stay host arrays: no eager op compiles per value
         if _is_tracer(x):
             return jnp.broadcast_to(jnp.asarray(x, dtype), shape)
-        return np.broadcast_to(np.asarray(x).astype(dtype), shape)
+        return traced(np.broadcast_to(np.asarray(x).astype(dtype), shape))
 
     k = top_k if _is_tracer(top_k) else np.minimum(np.asarray(top_k), np.iinfo(np.int32).max)
     if _is_tracer(top_p):  # float32 subtraction: can sit a few ulps from transformers' threshold
@@ -84,14 +88,14 @@ def row_settings(temperature: Any, top_k: Any, top_p: Any, batch_size: int, min_
 
 def pack_settings(rows: Sequence[SamplingParams]) -> RowSettings:
     """One SamplingParams per row -> the warpers' RowSettings (host arrays)."""
-    return row_settings(*(np.array([getattr(r, f) for r in rows]) for f in ("temperature", "top_k", "top_p")),
-                        len(rows), np.array([r.min_p for r in rows]))  # fmt: skip
+    temperature, top_k, top_p = (np.array([getattr(r, f) for r in rows]) for f in ("temperature", "top_k", "top_p"))
+    return row_settings(temperature, top_k, top_p, len(rows), np.array([r.min_p for r in rows]))
 
 
-def row_keys(key: Any, batch_size: int) -> jax.Array:
+def row_keys(key: Any, batch_size: int) -> Key[Array, " B"]:
     """One key (row b gets fold_in(key, b)) or one per row [B] -> [B] typed PRNG keys."""
     key = jnp.asarray(key)
-    if not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
         if key.dtype != jnp.uint32 or key.shape[-1:] != (2,):
             raise ConfigError(f"key must be a jax.random.key (or legacy PRNGKey), got {key.dtype} {key.shape}")
         key = jax.random.wrap_key_data(key)
@@ -120,11 +124,13 @@ def pack_processors(rows: Sequence[SamplingParams], eos: Sequence[int | None]) -
         for i, w in enumerate(row):
             table[b, i, : len(w)], lengths[b, i] = w, len(w)
     scalars = {
-        name: np.array([getattr(r, name) for r in rows], RULES[name][0])
+        name: traced(np.array([getattr(r, name) for r in rows], RULES[name][0]))
         for name in ("repetition_penalty", "frequency_penalty", "presence_penalty", "no_repeat_ngram_size",
                      "min_new_tokens")
     }  # fmt: skip
-    return ProcessorSettings(bias_ids=ids, bias=bias, bad_words=table, bad_word_lengths=lengths, **scalars)
+    return ProcessorSettings(
+        bias_ids=traced(ids), bias=traced(bias), bad_words=traced(table), bad_word_lengths=traced(lengths), **scalars
+    )
 
 
 def processor_settings(batch_size: int, vocab: int, eos_id: int | None, **settings: Any) -> ProcessorSettings:
