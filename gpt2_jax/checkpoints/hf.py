@@ -170,7 +170,7 @@ def infer_config(flat: dict[str, np.ndarray], source: str) -> GPT2Config:
             raise CheckpointError(f"{source}: missing tensor {key}, cannot infer the model's shape")
         if len(flat[key].shape) != 2:
             raise CheckpointError(f"{source}: tensor {key} has shape {tuple(flat[key].shape)}, expected a matrix")
-    V, D = flat["wte.weight"].shape
+    V, D = map(int, flat["wte.weight"].shape)
     heads = {c.n_embd: c.n_head for c in PRESETS.values()}.get(D, max(D // 64, 1))
     F = flat["h.0.mlp.c_fc.weight"].shape[1]
     try:

@@ -22,6 +22,16 @@ import numpy as np
 from gpt2_jax.errors import CheckpointError
 
 Index = tuple[slice, ...]
+
+
+def shard_index(index: Index | None) -> Index:
+    """A device's shard of a leaf as jax hands it to a read callback: None only for a sharding these readers
+    never build."""
+    if index is None:
+        raise CheckpointError("a shard without an index: the leaf's sharding names no slice of it")
+    return index
+
+
 _SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
 
 

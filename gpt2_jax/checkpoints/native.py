@@ -18,6 +18,7 @@ import numpy as np
 from gpt2_jax.checkpoints import hf
 from gpt2_jax.checkpoints.atomic import atomic_dir
 from gpt2_jax.checkpoints.host_buffers import host_buffer, prefetching
+from gpt2_jax.checkpoints.lazy import shard_index
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import CheckpointError, GPT2JaxError
 from gpt2_jax.model.checks import check_tree
@@ -79,13 +80,14 @@ def _stores(path: Path, stored: Any) -> dict[str, Any] | None:
     reader does not know (then orbax restores it)."""
     import orbax.checkpoint as ocp
     import tensorstore as ts
+    from etils import epath
 
     try:
         meta = json.loads((path / "_METADATA").read_text())
         context = ocp.type_handlers.get_ts_context(use_ocdbt=meta["use_ocdbt"])
         stores = {}
         for name in (dotted(p) for p, _ in jax.tree_util.tree_flatten_with_path(stored)[0]):
-            info = ocp.type_handlers.ParamInfo(name=name, parent_dir=path, use_zarr3=meta["use_zarr3"],
+            info = ocp.type_handlers.ParamInfo(name=name, parent_dir=epath.Path(path), use_zarr3=meta["use_zarr3"],
                                                ts_context=context)  # fmt: skip
             spec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=meta["use_ocdbt"])
             stores[name] = ts.open(spec, context=context, open=True, read=True).result()
@@ -174,11 +176,13 @@ def _read_leaves(read: Callable[[str, np.dtype, tuple, Any], np.ndarray], target
                 _set(
                     params,
                     name,
-                    jax.make_array_from_callback(t.shape, t.sharding, lambda index, n=name: read(n, d, index, bar)),
+                    jax.make_array_from_callback(
+                        t.shape, t.sharding, lambda index, n=name: read(n, d, shard_index(index), bar)
+                    ),
                 )
                 continue
             shape, sharding = t.shape[1:], _drop_layer_axis(t.sharding)
-            shards = {dev: read(name, d, (slice(None), *index), bar)  # [L, *shard]
+            shards = {dev: read(name, d, (slice(None), *shard_index(index)), bar)  # [L, *shard]
                       for dev, index in sharding.addressable_devices_indices_map(shape).items()}  # fmt: skip
             for i in range(n_layer):
                 _set(
@@ -209,9 +213,12 @@ def restore(
         raise CheckpointError(f"{path}: has {CONFIG_FILE} but no {PARAMS_DIR}/ directory")
     ckptr = _checkpointer()
     try:
-        stored = ckptr.metadata(path / PARAMS_DIR).item_metadata.tree
+        item = ckptr.metadata(path / PARAMS_DIR).item_metadata
     except Exception as e:
         raise _error(path / PARAMS_DIR, e) from None
+    if item is None:
+        raise CheckpointError(f"{path / PARAMS_DIR}: orbax finds no metadata of the stored params")
+    stored = item.tree
     check_tree(stored, config, str(path / PARAMS_DIR), str(path / CONFIG_FILE))
     if mesh is not None:
         check_mesh(config, mesh)

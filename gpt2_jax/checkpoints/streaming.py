@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import Sharding, SingleDeviceSharding
 
 from gpt2_jax.checkpoints.host_buffers import prefetching
-from gpt2_jax.checkpoints.lazy import Index, Lazy, then, transposed
+from gpt2_jax.checkpoints.lazy import Index, Lazy, shard_index, then, transposed
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.model.checks import check_flat
 from gpt2_jax.model.params import Params, _set, layer_shapes, tree_shape
@@ -161,7 +161,9 @@ def build_params(flat: Mapping[str, Any], config: GPT2Config, source: str, dtype
                 bar.update(view.nbytes)
             else:
                 array = jax.make_array_from_callback(
-                    shape, sh, lambda index, t=shape, d=dt, st=on_l, s=sources: fill_shard(t, d, st, s, index, bar)
+                    shape,
+                    sh,
+                    lambda index, t=shape, d=dt, st=on_l, s=sources: fill_shard(t, d, st, s, shard_index(index), bar),
                 )
             _set(params if layer is None else params["h"][layer], name, array)
     return params
