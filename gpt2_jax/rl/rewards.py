@@ -14,6 +14,7 @@ import math
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
@@ -63,6 +64,8 @@ def _python_reward(spec: str) -> Reward:
             if not path.is_file():
                 raise RewardError(f"--reward python:{spec}: {path} is not a file")
             loader = importlib.util.spec_from_file_location(path.stem, path)
+            if loader is None or loader.loader is None:
+                raise RewardError(f"--reward python:{spec}: {path} cannot be loaded as a module")
             module = importlib.util.module_from_spec(loader)
             loader.loader.exec_module(module)
         else:
@@ -74,7 +77,7 @@ def _python_reward(spec: str) -> Reward:
     fn = getattr(module, name, None)
     if not callable(fn):
         raise RewardError(f"--reward python:{spec}: {where} has no function {name!r}")
-    return fn
+    return cast(Reward, fn)  # the user's function, taken at its word: (prompt, completion) -> float
 
 
 def parse_reward(spec: str) -> Reward:

@@ -22,6 +22,7 @@ from gpt2_jax.model.params import Params
 from gpt2_jax.rl.objective import Objective, grpo_loss, mismatch
 from gpt2_jax.rl.scoring import completion_logprobs
 from gpt2_jax.training import TrainState
+from gpt2_jax.training.step import apply_updates
 
 
 class Rollout(NamedTuple):
@@ -38,7 +39,8 @@ class Rollout(NamedTuple):
 def rollout_loss(params: Params, rollout: Rollout, config: GPT2Config, objective: Objective):
     """-> (loss [], metrics): the GRPO objective of these params on a rollout; metrics add mismatch (the
     largest |trainer - sampler| logprob) to grpo_loss's."""
-    logprobs = completion_logprobs(params, rollout.tokens, rollout.index, config)
+    # functools.partial(jax.custom_vjp, ...) hides the wrapped function's return type from the checker
+    logprobs: jax.Array = completion_logprobs(params, rollout.tokens, rollout.index, config)  # pyright: ignore[reportAssignmentType]
     loss, metrics = grpo_loss(logprobs, rollout.sampled, rollout.ref, rollout.advantages, rollout.mask, objective)
     return loss, {**metrics, "mismatch": mismatch(logprobs, rollout.sampled, rollout.mask)}
 
@@ -52,7 +54,7 @@ def make_grpo_step(config: GPT2Config, optimizer: optax.GradientTransformation, 
         grad_fn = jax.value_and_grad(rollout_loss, has_aux=True)
         (loss, metrics), grads = grad_fn(state.params, rollout, config, objective)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        params = apply_updates(state.params, updates)
         metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads)}
         return TrainState(state.step + 1, params, opt_state), metrics
 

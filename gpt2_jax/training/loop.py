@@ -21,12 +21,12 @@ import numpy as np
 
 from gpt2_jax.checkpoints import native
 from gpt2_jax.config import PRESETS, GPT2Config
-from gpt2_jax.errors import ConfigError, GPT2JaxError
+from gpt2_jax.errors import CheckpointError, ConfigError, GPT2JaxError
 from gpt2_jax.model.params import Params, init_params, stack_layers
 from gpt2_jax.parallel.sharding import onto_mesh, shard_params
 from gpt2_jax.training.data import TokenData
 from gpt2_jax.training.run_dir import check_writable, checkpoint_manager, make_dir, progress_bar, write_json
-from gpt2_jax.training.step import Hyper, eval_loss, init_state, make_optimizer, make_train_step
+from gpt2_jax.training.step import Hyper, TrainState, eval_loss, init_state, make_optimizer, make_train_step
 
 
 def parse_config(spec: str) -> GPT2Config:
@@ -143,7 +143,7 @@ def _run(
     manager = checkpoint_manager(out_dir)
     history: dict[str, Any] = {"loss": [], "val": [], "unigram_val": tokens.unigram_loss()}
     if resume and manager.latest_step() is not None:
-        state = manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(state))
+        state = _restored(manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(state)), out_dir)
         saved = json.loads((out_dir / "history.json").read_text())
         done = int(state.step)
         history = {**saved, "loss": saved["loss"][:done], "val": [v for v in saved["val"] if v[0] <= done]}
@@ -165,6 +165,8 @@ def _run(
     batch = batch_of(start) if start < hyper.steps else None
     t0 = time.perf_counter()
     for s in range(start, hyper.steps):
+        if batch is None:  # made ahead for every step the loop runs
+            raise GPT2JaxError(f"training step {s} has no batch")
         state, metrics = step_fn(state, batch, jax.random.fold_in(drop_key, s))  # returns before the step ends
         n_tokens = batch.size - batch.shape[0] * batch.shape[1]
         batch = batch_of(s + 1) if s + 1 < hyper.steps else None  # the host's work overlaps the step's
@@ -208,6 +210,15 @@ class RecentRate:
     def rate(self) -> float:
         seconds = sum(t for t, _ in self.steps)
         return sum(n for _, n in self.steps) / seconds if seconds > 0 else 0.0
+
+
+def _restored(restored: Any, out_dir: Path) -> TrainState:
+    """orbax's restore of a TrainState: it gives back the structure it was handed."""
+    if not isinstance(restored, TrainState):
+        raise CheckpointError(
+            f"{out_dir}: the latest checkpoint restored as a {type(restored).__name__}, not a TrainState"
+        )
+    return restored
 
 
 def plot_history(history: dict[str, Any], path: Path) -> None:

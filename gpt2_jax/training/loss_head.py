@@ -13,6 +13,7 @@ log_softmax loss and its gradients to float32 rounding (tests/test_train.py).
 from __future__ import annotations
 
 import math
+from typing import Literal, overload
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +46,20 @@ def _chunks(h: jax.Array, targets: jax.Array, weights: jax.Array | None = None):
     return split(h), split(targets), jnp.broadcast_to(valid.reshape(n, 1, C), (n, B, C)), w
 
 
-def _head(h: jax.Array, wte: jax.Array, targets: jax.Array, grads: bool, weights: jax.Array | None = None):
+Grads = tuple[jax.Array, jax.Array]  # dh [B, T, D], dwte [V, D]
+
+
+@overload
+def _head(
+    h: jax.Array, wte: jax.Array, targets: jax.Array, grads: Literal[False], weights: jax.Array | None = None
+) -> jax.Array: ...
+@overload
+def _head(
+    h: jax.Array, wte: jax.Array, targets: jax.Array, grads: Literal[True], weights: jax.Array | None = None
+) -> tuple[jax.Array, Grads]: ...
+def _head(
+    h: jax.Array, wte: jax.Array, targets: jax.Array, grads: bool, weights: jax.Array | None = None
+) -> jax.Array | tuple[jax.Array, Grads]:
     """Mean cross-entropy of logits = h @ wte.T against targets (with weights [B, T]: the weighted sum
     instead), a chunk of positions at a time, and with grads its gradients (dh [B, T, D], dwte [V, D])
     computed in the same pass.
@@ -78,19 +92,22 @@ def _head(h: jax.Array, wte: jax.Array, targets: jax.Array, grads: bool, weights
         dx = jnp.einsum("VM,VD->MD", d, wte, preferred_element_type=F32).reshape(x.shape)
         return total, dx, jnp.einsum("VM,MD->VD", d, xm, preferred_element_type=F32)
 
-    first = chunk(hc[0], tc[0], valid[0], None if wc is None else wc[0])
+    first_total, first_dx, first_dwte = chunk(hc[0], tc[0], valid[0], None if wc is None else wc[0])
 
     def step(carry, xs):
         total, dwte = carry
         part, dx, dw = chunk(*xs)
         return (total + part, None if dwte is None else dwte + dw), dx
 
-    (total, dwte), dx = jax.lax.scan(step, first[::2], (hc[1:], tc[1:], valid[1:], None if wc is None else wc[1:]))
+    xs = (hc[1:], tc[1:], valid[1:], None if wc is None else wc[1:])
+    (total, dwte), dx = jax.lax.scan(step, (first_total, first_dwte), xs)
     loss = total / count if weights is None else total
     if not grads:
         return loss
+    if first_dx is None or dx is None or dwte is None:  # chunk gives its gradients whenever grads is set
+        raise ValueError("the loss head's chunks gave no gradients")
     B, T, D = h.shape
-    dx = jnp.concatenate([first[1][None], dx])
+    dx = jnp.concatenate([first_dx[None], dx])
     dh = jnp.moveaxis(dx, 0, 1).reshape(B, -1, D)[:, :T]
     return loss, (dh.astype(h.dtype), dwte.astype(wte.dtype))
 

@@ -8,10 +8,11 @@ decays every tensor of rank >= 2, wpe included; we leave the position table unde
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.tree_util import DictKey, SequenceKey
 
@@ -22,6 +23,11 @@ from gpt2_jax.model.gpt2 import trunk
 from gpt2_jax.model.layers import layer_norm
 from gpt2_jax.model.params import MATMULS, Params, check_trainable, stack_layers
 from gpt2_jax.training.loss_head import head_loss
+
+
+def apply_updates(params: Params, updates: Any) -> Params:
+    """optax.apply_updates: the params tree, updated (optax types its result as any tree; it is params' own)."""
+    return cast(Params, optax.apply_updates(params, updates))
 
 
 class TrainState(NamedTuple):
@@ -128,7 +134,7 @@ def make_train_step(config: GPT2Config, optimizer: optax.GradientTransformation,
         n = batch.shape[0]
         loss, grads = loss / n, jax.tree.map(lambda g: g / n, grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        params = apply_updates(state.params, updates)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
         return TrainState(state.step + 1, params, opt_state), metrics
 
@@ -144,7 +150,7 @@ def _eval_loss(params: Params, tokens: jax.Array, config: GPT2Config) -> jax.Arr
     return loss_fn(params, tokens, config)
 
 
-def eval_loss(params: Params, batches: jax.Array, config: GPT2Config) -> float:
+def eval_loss(params: Params, batches: jax.Array | np.ndarray, config: GPT2Config) -> float:
     """Mean loss (no dropout) over batches [N, B, T+1]."""
     with on_mesh(mesh_of(params)):
         return float(jnp.mean(jnp.stack([_eval_loss(params, b, config) for b in batches])))
