@@ -59,9 +59,10 @@ class Completions:
             plan = await loop.run_in_executor(None, RequestPlan, req, engine, self.enc, self.compiler,
                                               self.limits.max_beam_tokens)  # fmt: skip
             job = Job(rid, plan, self.enc, config.eos_id, self.metrics, t0)
-            if plan.echo and plan.top_n is not None:
+            top_n = plan.top_n
+            if plan.echo and top_n is not None:
                 job.echo = await loop.run_in_executor(
-                    None, lambda: [prompt_logprobs(engine.params, config, p, plan.top_n) for p in plan.prompts]
+                    None, lambda: [prompt_logprobs(engine.params, config, p, top_n) for p in plan.prompts]
                 )
             if plan.beam:
                 await loop.run_in_executor(None, job.beam_search, engine, self.beams)

@@ -109,7 +109,12 @@ class BodyLimit:
 
 async def _refuse(error: ApiError, scope: dict, send: Any) -> None:
     """Answer `error` and close the connection: the rest of the body is never read."""
-    await error.response({"connection": "close"})(scope, None, send)
+    await error.response({"connection": "close"})(scope, _unread, send)
+
+
+async def _unread() -> dict[str, Any]:
+    """The receive a refusal answers with: its body is never read, and the connection closes."""
+    return {"type": "http.disconnect"}
 
 
 class HeaderTimeout(H11Protocol):

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, BeforeValidator, ConfigDict
+from pydantic_core import ErrorDetails
 
 from gpt2_jax.errors import GPT2JaxError
 from gpt2_jax.serving.engine import Cancelled, QueueFull
@@ -186,7 +188,7 @@ def _guess_param(message: str) -> str | None:
     return names[min(hits)[1]] if hits else None
 
 
-def from_gpt2_jax(e: Exception) -> ApiError:
+def from_gpt2_jax(e: BaseException) -> ApiError:
     if isinstance(e, ApiError):
         return e
     if isinstance(e, QueueFull):
@@ -202,7 +204,7 @@ def from_gpt2_jax(e: Exception) -> ApiError:
     return ApiError(500, f"internal error: {type(e).__name__}: {e}")
 
 
-def from_validation(errors: list[dict]) -> ApiError:
+def from_validation(errors: Sequence[ErrorDetails]) -> ApiError:
     """pydantic's errors -> one 400 naming the first bad field."""
     e = errors[0]
     loc = [str(x) for x in e.get("loc", ()) if x != "body"]

@@ -193,10 +193,10 @@ def json_schema(
         raise ConstraintError(f"whitespace must be a regex string or None, got {type(whitespace).__name__}")
     if whitespace is not None and (problem := regex_problem(whitespace)) is not None:
         raise ConstraintError(f"invalid whitespace regex {whitespace!r}: outlines-core says: {problem}")
-    from outlines_core.json_schema import build_regex_from_schema
+    from outlines_core import json_schema  # the package's own name for it; its submodule path exists only at run time
 
     try:
-        source = build_regex_from_schema(text, whitespace)
+        source = json_schema.build_regex_from_schema(text, whitespace)
     except Exception as e:  # ValueError or TypeError from the Rust side
         raise ConstraintError(f"invalid JSON schema {_short(text)}: outlines-core says: {str(e).strip()}") from None
     return Constraint("json_schema", source, f"JSON schema {_short(text)}", validate, max_states)
