@@ -17,10 +17,13 @@ Shape legend: B prompts, W beams per prompt, C candidates, N steps, V vocab.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+if TYPE_CHECKING:  # shapes as annotations only: jaxtyping is not a runtime dependency
+    from jaxtyping import Array, Bool, Float, Int, Shaped
 
 NEG = -1.0e9  # transformers' score for what may not be chosen
 
@@ -59,19 +62,19 @@ class Chosen(NamedTuple):
     scores: jax.Array  # [B, W] float32: the running beams' cumulative scores (without the -1e9 of ending)
 
 
-def divide(x: jax.Array, d: jax.Array) -> jax.Array:
+def divide(x: Float[Array, "*N"], d: Float[Array, "*D"]) -> Float[Array, "*N"]:
     """x / d rounded as one float32 division, d broadcast to x's shape. XLA rewrites x / broadcast(d) as
     x * broadcast(1 / d), which rounds differently (by 1 ulp, in about 1 element in 10); the barrier keeps the
     division a division."""
     return x / jax.lax.optimization_barrier(jnp.broadcast_to(d, x.shape))
 
 
-def take(x: jax.Array, idx: jax.Array) -> jax.Array:
+def take(x: Shaped[Array, "B M *R"], idx: Int[Array, "B J"]) -> Shaped[Array, "B J *R"]:
     """x [B, M, ...] at idx [B, J] along axis 1 -> [B, J, ...]."""
     return jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
 
 
-def select(h: Hyps, idx: jax.Array) -> Hyps:
+def select(h: Hyps, idx: Int[Array, "B J"]) -> Hyps:
     return jax.tree.map(lambda x: take(x, idx), h)
 
 
@@ -89,7 +92,9 @@ def start(b: BeamRules, W: int, N: int) -> tuple[Hyps, Hyps]:
     return run, empty._replace(score=jnp.where(slot, NEG, -jnp.inf))
 
 
-def candidates(acc: jax.Array, noise: jax.Array, c: int, kept: jax.Array, plain: jax.Array):
+def candidates(
+    acc: Float[Array, "B W*V"], noise: Float[Array, "B W*V"], c: int, kept: Int[Array, " B"], plain: Bool[Array, " B"]
+) -> tuple[Float[Array, "B C"], Float[Array, "B C"], Int[Array, "B C"]]:
     """Accumulated scores acc [B, W * V] (+ Gumbel noise [B, W * V], zero for greedy prompts) -> each prompt's
     kept [B] <= c candidates: (scores [B, c], the order they rank in [B, c], descending, flat indices [B, c]),
     -inf past kept. With noise this samples them without replacement from softmax(acc), as transformers'
@@ -104,14 +109,18 @@ def candidates(acc: jax.Array, noise: jax.Array, c: int, kept: jax.Array, plain:
     return vals, -neg, idx
 
 
-def extend(h: Hyps, parent: jax.Array, token: jax.Array, logprob: jax.Array, t: jax.Array) -> Hyps:
+def extend(
+    h: Hyps, parent: Int[Array, "B J"], token: Int[Array, "B J"], logprob: Float[Array, "B J"], t: Int[Array, ""]
+) -> Hyps:
     """Running hypotheses -> the J [B, J] extensions of beams parent [B, J] by token [B, J] at step t (score unset)."""
     at = lambda x, v: jax.lax.dynamic_update_index_in_dim(take(x, parent), v, t, axis=2)
     return Hyps(jnp.zeros(parent.shape), at(h.tokens, token), at(h.parents, parent), at(h.logprobs, logprob),
                 jnp.full(parent.shape, t + 1), jnp.zeros(parent.shape, bool))  # fmt: skip
 
 
-def finish(fin: Hyps, cand: Hyps, vals: jax.Array, ends: jax.Array, b: BeamRules, t, done: jax.Array) -> Hyps:
+def finish(
+    fin: Hyps, cand: Hyps, vals: Float[Array, "B C"], ends: Bool[Array, "B C"], b: BeamRules, t, done: Bool[Array, " B"]
+) -> Hyps:
     """transformers' _update_finished_beams: the candidates [B, C] that end among the first num_beams enter the
     finished hypotheses, scored vals / (t + 1) ** length_penalty; the best W stay (placeholders at -1e9, rows
     past num_beams -inf). A prompt whose search has ended (done [B]) keeps its hypotheses. (transformers also
@@ -129,7 +138,7 @@ def finish(fin: Hyps, cand: Hyps, vals: jax.Array, ends: jax.Array, b: BeamRules
     return jax.tree.map(lambda old, x: jnp.where(done.reshape((-1,) + (1,) * (x.ndim - 1)), old, x), fin, new)
 
 
-def still_open(is_open: jax.Array, run: Hyps, fin: Hyps, b: BeamRules, t) -> jax.Array:
+def still_open(is_open: Bool[Array, " B"], run: Hyps, fin: Hyps, b: BeamRules, t) -> Bool[Array, " B"]:
     """transformers' _check_early_stop_heuristic after step t: can the best running beam still beat the worst
     finished hypothesis? [B] bool (once False, it stays False)."""
     slot = jnp.arange(fin.score.shape[1]) < b.beams[:, None]
@@ -139,8 +148,9 @@ def still_open(is_open: jax.Array, run: Hyps, fin: Hyps, b: BeamRules, t) -> jax
     return is_open & jnp.any(slot & (best > worst), axis=1)
 
 
-def choose(run: Hyps, fin: Hyps, is_open: jax.Array, done: jax.Array, b: BeamRules, t, vals: jax.Array,
-           rank: jax.Array, idx: jax.Array, logprob: jax.Array, stops: jax.Array, V: int) -> Chosen:  # fmt: skip
+def choose(run: Hyps, fin: Hyps, is_open: Bool[Array, " B"], done: Bool[Array, " B"], b: BeamRules, t,
+           vals: Float[Array, "B C"], rank: Float[Array, "B C"], idx: Int[Array, "B C"], logprob: Float[Array, "B C"],
+           stops: Int[Array, "B M"], V: int) -> Chosen:  # fmt: skip
     """One step's decisions from its candidates (candidates' vals, rank, flat idx [B, C]; their raw logprobs
     [B, C]; each prompt's stop tokens [B, M]): the running beams, the finished hypotheses, whether each
     prompt's search goes on."""

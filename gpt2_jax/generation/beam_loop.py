@@ -16,7 +16,7 @@ Shape legend: B prompts, W beams per prompt (bucket), C candidates, N steps, V v
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +31,9 @@ from gpt2_jax.sampling.constraints import tables as automata
 from gpt2_jax.sampling.draw import log_probs
 from gpt2_jax.sampling.metadata import RowSettings
 from gpt2_jax.sampling.processors import apply_processors, update_state
+
+if TYPE_CHECKING:  # shapes as annotations only: jaxtyping is not a runtime dependency
+    from jaxtyping import Array, Bool, Float, Int, Key
 
 
 class Trace(NamedTuple):
@@ -50,7 +53,7 @@ class BeamState(NamedTuple):
     steps: jax.Array  # [B] int32: steps the prompt's search ran
 
 
-def warped(x: jax.Array, settings: RowSettings, use: jax.Array, n_valid: int) -> jax.Array:
+def warped(x: Float[Array, "R V"], settings: RowSettings, use: Bool[Array, " R"], n_valid: int) -> Float[Array, "R V"]:
     """Processed log-probs [R, V] -> temperature, top-k, top-p and min-p applied where use [R] (beam sampling,
     as transformers applies its warpers to the log-probs); -inf where filtered. Computed only if some row samples."""
     r, v = x.shape
@@ -63,14 +66,16 @@ def warped(x: jax.Array, settings: RowSettings, use: jax.Array, n_valid: int) ->
     return jax.lax.cond(jnp.any(use), warp, lambda: x)
 
 
-def gumbel(keys: jax.Array, v: int, use: jax.Array) -> jax.Array:
+def gumbel(keys: Key[Array, " R"], v: int, use: Bool[Array, " R"]) -> Float[Array, "R V"]:
     """[R] row keys -> [R, V] Gumbel noise, each row from its own key only (0 where use [R] is False; nothing
     is drawn when no row samples)."""
     noise = lambda: jnp.where(use[:, None], jax.vmap(lambda k: jax.random.gumbel(k, (v,)))(keys), 0.0)
     return jax.lax.cond(jnp.any(use), noise, lambda: jnp.zeros((keys.shape[0], v)))
 
 
-def scores(d: DecodeState, rules: Rules, b: BeamRules, t, config: GPT2Config, W: int) -> tuple[jax.Array, jax.Array]:
+def scores(
+    d: DecodeState, rules: Rules, b: BeamRules, t, config: GPT2Config, W: int
+) -> tuple[Float[Array, "B*W V"], Float[Array, "B*W V"]]:
     """Each beam row's raw log-probs [B * W, V] and its next-token scores: the processors on the log-probs (as
     transformers' beam search applies them), the warpers for a sampling prompt, -inf in padding vocab columns."""
     rows = lambda x: jnp.repeat(x, W, axis=0)  # a prompt's setting for each of its beam rows
@@ -86,12 +91,12 @@ def scores(d: DecodeState, rules: Rules, b: BeamRules, t, config: GPT2Config, W:
     return logp, jnp.where(jnp.arange(v) < config.valid_vocab, x, -jnp.inf)
 
 
-def stop_ids(rules: Rules) -> jax.Array:
+def stop_ids(rules: Rules) -> Int[Array, "B M"]:
     """[B, 1 + MAX_STOP_IDS] each prompt's EOS and stop ids (-1: none), the tokens that end a hypothesis."""
     return jnp.concatenate([rules.stop.eos_id[:, None], rules.stop.stop_ids], axis=1)
 
 
-def noise(d: DecodeState, b: BeamRules, W: int) -> jax.Array:
+def noise(d: DecodeState, b: BeamRules, W: int) -> Float[Array, "B W*V"]:
     """[B, W * V] Gumbel noise for the sampling prompts (0 for the others): beam j of a prompt draws from
     fold_in(fold_in(its key, position), j), its own bits whatever W or the batch."""
     B = b.beams.shape[0]
@@ -100,8 +105,8 @@ def noise(d: DecodeState, b: BeamRules, W: int) -> jax.Array:
     return gumbel(keys, d.logits.shape[-1], jnp.repeat(b.sample, W)).reshape(B, -1)
 
 
-def follow(params: Params, d: DecodeState, rules: Rules, parent: jax.Array, token: jax.Array, config: GPT2Config,
-           hooks=None) -> DecodeState:  # fmt: skip
+def follow(params: Params, d: DecodeState, rules: Rules, parent: Int[Array, " B*W"], token: Int[Array, " B*W"],
+           config: GPT2Config, hooks=None) -> DecodeState:  # fmt: skip
     """The new beams' rows: each takes its parent's cache row, processor and constraint state (parent [B * W],
     one gather), records its token [B * W] and runs it through the model."""
     W = parent.shape[0] // rules.stop.eos_id.shape[0]
@@ -146,9 +151,9 @@ def init(d: DecodeState, b: BeamRules, W: int, N: int) -> BeamState:
 
 
 @functools.partial(jax.jit, static_argnames=("config", "capacity", "width", "c", "steps", "hooks"))
-def search(params: Params, tokens: jax.Array, lengths: jax.Array, keys: jax.Array, rules: Rules, b: BeamRules,
-           config: GPT2Config, capacity: int, width: int, c: int, steps: int,
-           hooks=None) -> tuple[Hyps, Trace, jax.Array]:  # fmt: skip
+def search(params: Params, tokens: Int[Array, "B P"], lengths: Int[Array, " B"], keys: Key[Array, " B"], rules: Rules,
+           b: BeamRules, config: GPT2Config, capacity: int, width: int, c: int, steps: int,
+           hooks=None) -> tuple[Hyps, Trace, Int[Array, " B"]]:  # fmt: skip
     """Right-padded prompts [B, P] of lengths [B], their keys [B] -> (the finished hypotheses [B, W], best first;
     the trace of the running beams [B, N, W]; steps each prompt ran [B]). One program: the prefill writes each
     prompt once into a cache of `capacity` slots, its rows are repeated for the beams, and one lax.while_loop

@@ -17,6 +17,7 @@ Shape legend: B rows, M blocks per row, N blocks in the pool, C slots per block,
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +31,9 @@ from gpt2_jax.model.paged_cache import NULL_BLOCK, PagedKVCache, init_pool
 from gpt2_jax.model.params import Params
 from gpt2_jax.sampling.processors import ProcessorState
 from gpt2_jax.sampling.processors import init_state as init_processor_state
+
+if TYPE_CHECKING:  # shapes as annotations only: jaxtyping is not a runtime dependency
+    from jaxtyping import Array, Bool, Float, Int, Key
 
 
 def init_paged(config: GPT2Config, rows: int, num_blocks: int, blocks_per_row: int, dtype=jnp.float32,
@@ -50,8 +54,9 @@ def init_paged(config: GPT2Config, rows: int, num_blocks: int, blocks_per_row: i
 
 
 @functools.partial(jax.jit, static_argnames="config", donate_argnames="state")
-def prefill_chunk(params: Params, state: DecodeState, table: jax.Array, tokens: jax.Array, start: jax.Array,
-                  last: jax.Array, config: GPT2Config) -> tuple[DecodeState, jax.Array]:  # fmt: skip
+def prefill_chunk(params: Params, state: DecodeState, table: Int[Array, " M"], tokens: Int[Array, " T"],
+                  start: Int[Array, ""], last: Int[Array, ""],
+                  config: GPT2Config) -> tuple[DecodeState, Float[Array, " V"]]:  # fmt: skip
     """Tokens [T] of one prompt into slots [start, start + T) of the row whose blocks are table [M] (written in
     place in the state's pool, donated) -> (state, logits [V] of chunk token `last`). Slots before `start` already
     hold the prompt's earlier tokens (earlier chunks, or shared blocks); tokens past the prompt (a chunk's padding)
@@ -63,8 +68,9 @@ def prefill_chunk(params: Params, state: DecodeState, table: jax.Array, tokens: 
 
 
 @functools.partial(jax.jit, donate_argnames="state")
-def start_row(state: DecodeState, row: jax.Array, table: jax.Array, prompt: jax.Array, length: jax.Array,
-              logits: jax.Array, key: jax.Array, automaton: jax.Array) -> DecodeState:  # fmt: skip
+def start_row(state: DecodeState, row: Int[Array, ""], table: Int[Array, " M"], prompt: Int[Array, " S"],
+              length: Int[Array, ""], logits: Float[Array, " V"], key: Key[Array, ""],
+              automaton: Int[Array, ""]) -> DecodeState:  # fmt: skip
     """Row `row` starts decoding: its blocks table [M], its prompt [S] (padded) of `length` tokens, the logits [V]
     after it, its key and its constraint's start state -> the state generate's prefill leaves for that row."""
     S, V = state.history.history.shape[1], state.logits.shape[1]
@@ -81,7 +87,7 @@ def start_row(state: DecodeState, row: jax.Array, table: jax.Array, prompt: jax.
 
 
 @functools.partial(jax.jit, donate_argnames="state")
-def stop_rows(state: DecodeState, rows: jax.Array, filler: jax.Array) -> DecodeState:
+def stop_rows(state: DecodeState, rows: Bool[Array, " B"], filler: Int[Array, ""]) -> DecodeState:
     """Rows [B] bool stop decoding: halted (emitting `filler`) and their tables back to the null block, so the
     blocks they held can go to other rows."""
     pool = _pool(state)

@@ -14,7 +14,7 @@ Shape legend: B rows, T positions (bucketed), N completion tokens, R top entries
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +30,9 @@ from gpt2_jax.model.params import Params
 from gpt2_jax.sampling.checks import MAX_TOP_LOGPROBS
 from gpt2_jax.sampling.draw import token_logprobs
 
+if TYPE_CHECKING:  # shapes as annotations only: jaxtyping is not a runtime dependency
+    from jaxtyping import Array, Float, Int
+
 
 class PromptScores(NamedTuple):
     logprobs: list  # per prompt: [None, log p(t_1 | t_0), ...] (the first token has no context)
@@ -37,7 +40,9 @@ class PromptScores(NamedTuple):
     top_logprobs: list | None  # ... and their log-probabilities
 
 
-def score_tokens(params: Params, tokens: jax.Array, config: GPT2Config, r: int = 0):
+def score_tokens(
+    params: Params, tokens: Int[Array, "B T"], config: GPT2Config, r: int = 0
+) -> tuple[Float[Array, "B T-1"], Int[Array, "B T-1 R"] | None, Float[Array, "B T-1 R"] | None]:
     """tokens [B, T] -> (logprobs [B, T-1]: log p(tokens[:, t+1] | tokens[:, :t+1]), top ids [B, T-1, r], top
     logprobs [B, T-1, r]), unjitted (for a caller's jit or grad). Right padding is harmless: a position only
     sees the ones before it."""
@@ -54,7 +59,7 @@ def score_tokens(params: Params, tokens: jax.Array, config: GPT2Config, r: int =
 _score = functools.partial(jax.jit, static_argnames=("config", "r"))(score_tokens)
 
 
-def padded_rows(rows: list[list[int]], config: GPT2Config, length: int = 0) -> np.ndarray:
+def padded_rows(rows: list[list[int]], config: GPT2Config, length: int = 0) -> Int[np.ndarray, "B T"]:
     """Right-pad to a bucketed length (a new length rarely compiles), at least `length`, repeating each row's
     last token."""
     T = bucket(max(max(map(len, rows)), length), config.n_positions)

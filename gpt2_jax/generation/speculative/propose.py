@@ -12,6 +12,8 @@ Shape legend: B rows, S cache slots, k proposed tokens, V vocab.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
 
@@ -21,10 +23,13 @@ from gpt2_jax.model.kv_cache import KVCache
 from gpt2_jax.model.params import Params
 from gpt2_jax.sampling.draw import argmax
 
+if TYPE_CHECKING:  # shapes as annotations only: jaxtyping is not a runtime dependency
+    from jaxtyping import Array, Int
+
 LOOKUP_NGRAM = 3  # prompt lookup matches the last 3 tokens, else the last 2, else the last 1
 
 
-def last_match(history: jax.Array, length: jax.Array, n: int) -> jax.Array:
+def last_match(history: Int[Array, "B S"], length: Int[Array, " B"], n: int) -> Int[Array, " B"]:
     """history [B, S] holding `length` [B] tokens -> [B] int32: the end slot e of the latest earlier
     occurrence of the row's last n tokens (history[e-n+1 .. e] == history[length-n .. length-1],
     e < length - 1), or -1 if there is none."""
@@ -39,7 +44,7 @@ def last_match(history: jax.Array, length: jax.Array, n: int) -> jax.Array:
     return jnp.max(jnp.where(match, e, -1), axis=1)
 
 
-def prompt_lookup(history: jax.Array, length: jax.Array, k: int) -> jax.Array:
+def prompt_lookup(history: Int[Array, "B S"], length: Int[Array, " B"], k: int) -> Int[Array, "B k"]:
     """history [B, S] holding `length` [B] tokens -> k proposed next tokens [B, k]: what followed the
     latest earlier occurrence of the last LOOKUP_NGRAM (else fewer) tokens. The continuation repeats with
     the match's period once it reaches the row's end (a loop keeps looping); with no match at all, the
@@ -55,7 +60,7 @@ def prompt_lookup(history: jax.Array, length: jax.Array, k: int) -> jax.Array:
 
 
 def draft_prefill(
-    draft_params: Params, tokens: jax.Array, lengths: jax.Array, cache: KVCache, draft_config: GPT2Config
+    draft_params: Params, tokens: Int[Array, "B P"], lengths: Int[Array, " B"], cache: KVCache, draft_config: GPT2Config
 ) -> KVCache:
     """The draft reads the prompts [B, P] into its own cache (lengths [B] set to the prompts')."""
     _, cache = forward_cached(draft_params, tokens, cache, draft_config, last=lengths - 1)
@@ -65,12 +70,12 @@ def draft_prefill(
 def draft_propose(
     draft_params: Params,
     cache: KVCache,
-    prev: jax.Array,
-    token: jax.Array,
-    start: jax.Array,
+    prev: Int[Array, " B"],
+    token: Int[Array, " B"],
+    start: Int[Array, " B"],
     k: int,
     draft_config: GPT2Config,
-) -> tuple[jax.Array, KVCache]:
+) -> tuple[Int[Array, "B k"], KVCache]:
     """The draft's k greedy tokens [B, k] after the row's accepted tokens, ending (prev at slot start,
     token at start + 1). prev is fed again each round: its slot may hold a proposal the target did
     not take or nothing yet (when the previous round's k proposals were all accepted), and feeding

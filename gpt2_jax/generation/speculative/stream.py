@@ -9,14 +9,17 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+if TYPE_CHECKING:  # shapes as annotations only: jaxtyping is not a runtime dependency
+    from jaxtyping import Bool, Int
+
 
 def stream_rounds(
-    spec: Any, state: Any, rules: Any, limits: np.ndarray, matcher: Any, halt: Callable
-) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    spec: Any, state: Any, rules: Any, limits: Int[np.ndarray, " B"], matcher: Any, halt: Callable
+) -> Iterator[tuple[Int[np.ndarray, " B"], Bool[np.ndarray, " B"]]]:
     """Yield (tokens [rows], live [rows]) per step from a prefilled state, rows = len(limits). A row stops
     after its stopping token (EOS, a stop id, or the token completing a stop string) or limits[b] tokens;
     stopped rows repeat their fill: their EOS, else their last token."""

@@ -10,7 +10,7 @@ states, classes and groups are never reachable and allow nothing.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +18,9 @@ import numpy as np
 from gpt2_jax.compiling import pow2_bucket
 from gpt2_jax.sampling.constraints.automaton import Automaton
 from gpt2_jax.sampling.constraints.spec import ConstraintError
+
+if TYPE_CHECKING:  # shapes as annotations only: jaxtyping is not a runtime dependency
+    from jaxtyping import Array, Bool, Int
 
 MIN_G, MIN_Q, MIN_C = 2, 64, 64
 FREE = 0  # global state (and class_of row) of an unconstrained row
@@ -94,7 +97,9 @@ def pack(
     return ConstraintTables(class_of, next_state, accept, group, start)
 
 
-def allowed(tables: ConstraintTables, state, eos_id):
+def allowed(
+    tables: ConstraintTables, state: Int[Array, " B"], eos_id: Int[Array, " B"] | int | None
+) -> Bool[Array, "B V"]:
     """[B, V] bool: token t is allowed in row b iff next_state[state_b, class_of[group_b, t]] >= 0.
 
     Row b's EOS, eos_id[b] ([B] int32, or one int for every row), is allowed iff accept[state_b]. A row whose
@@ -113,7 +118,7 @@ def allowed(tables: ConstraintTables, state, eos_id):
     return ok
 
 
-def advance(tables: ConstraintTables, state, token):
+def advance(tables: ConstraintTables, state: Int[Array, " B"], token: Int[Array, " B"]) -> Int[Array, " B"]:
     """[B] int32: each row's state after `token` [B]; a token with no transition (EOS, or one that
     was not allowed) leaves the state as it is. Pure jnp: jit-safe, no host work."""
     state = jnp.asarray(state, jnp.int32)
