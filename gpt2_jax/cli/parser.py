@@ -16,6 +16,7 @@ from gpt2_jax.cli import generate as cli_generate
 from gpt2_jax.cli import info as cli_info
 from gpt2_jax.cli import rl as cli_rl
 from gpt2_jax.cli import serve as cli_serve
+from gpt2_jax.cli import serve_args as cli_serve_args
 from gpt2_jax.cli import train as cli_train
 from gpt2_jax.cli.help import HelpFormatter
 from gpt2_jax.errors import GPT2JaxError
@@ -80,11 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     rl = sub.add_parser("rl", help="fine-tune on a reward with GRPO, exactly on-policy", formatter_class=HelpFormatter)
     cli_rl.rl_parser(rl)
     _cache_arg(rl)
-    cli_serve.serve_parser(sub.add_parser("serve", help="serve an OpenAI-compatible completions API over HTTP",
-                                 formatter_class=HelpFormatter), _cache_arg)  # fmt: skip
-    cli_serve.serve_parser(sub.add_parser("explain", help="serve the explainer page (GPT-2's real internals for a "
-                                          "prompt, view by view) and print its URL; every serve flag applies",
-                                          formatter_class=HelpFormatter), _cache_arg)  # fmt: skip
+    cli_serve_args.serve_parser(sub.add_parser("serve", help="serve an OpenAI-compatible completions API over HTTP",
+                                               formatter_class=HelpFormatter), _cache_arg)  # fmt: skip
+    cli_serve_args.serve_parser(sub.add_parser("explain", help="serve the explainer page (GPT-2's real internals "
+                                               "for a prompt, view by view) and print its URL; every serve flag "
+                                               "applies", formatter_class=HelpFormatter), _cache_arg)  # fmt: skip
     sub.add_parser("info", help="print the version, jax's devices and which path each CPU kernel takes here")
     return parser
 
