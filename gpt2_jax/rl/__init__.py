@@ -12,9 +12,10 @@ loop.py       grpo(): sample, score, several epochs per batch; checkpoints, hist
 plots.py      the run's reward / KL / mismatch figure
 """
 
-from gpt2_jax.rl.loop import grpo, sample_groups
+from gpt2_jax.rl.loop import grpo
 from gpt2_jax.rl.objective import Objective, group_advantages, grpo_loss
 from gpt2_jax.rl.rewards import Reward, length_reward, parse_reward, regex_reward
+from gpt2_jax.rl.runner import sample_groups
 from gpt2_jax.rl.scoring import sequence_logprobs
 from gpt2_jax.rl.step import make_grpo_step
 
