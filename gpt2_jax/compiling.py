@@ -1,6 +1,6 @@
 """Compiling less and knowing what it cost: the power-of-two buckets that shapes are rounded to (so a new
-length rarely compiles a new program), and the time JAX spent tracing, lowering and XLA compiling, summed
-from jax.monitoring's events."""
+length rarely compiles a new program), `traced` (a host array typed as the jax.Array jit makes of it), and the
+time JAX spent tracing, lowering and XLA compiling, summed from jax.monitoring's events."""
 
 from __future__ import annotations
 

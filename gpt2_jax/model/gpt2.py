@@ -24,7 +24,7 @@ from gpt2_jax.model.params import Params
 from gpt2_jax.model.precision_type import Precision
 
 if TYPE_CHECKING:  # shapes as annotations only: jaxtyping is not a runtime dependency
-    from jaxtyping import Array, Float, Int, Key
+    from jaxtyping import Array, Float, Int
 
 Cache = TypeVar("Cache", KVCache, PagedKVCache)  # forward_cached hands back the kind of cache it was given
 
@@ -57,7 +57,7 @@ def run_blocks(
     x: Float[Array, "B T D"],
     config: GPT2Config,
     cache: CacheView | PagedView | None = None,
-    key: Key[Array, ""] | None = None,
+    key: jax.Array | None = None,
     tap=None,
     unroll: int = 1,
     remat: bool = False,
@@ -88,7 +88,7 @@ def run_blocks(
 
 
 def apply(
-    params: Params, tokens: Int[Array, "B T"], config: GPT2Config, key: Key[Array, ""] | None = None, tap=None
+    params: Params, tokens: Int[Array, "B T"], config: GPT2Config, key: jax.Array | None = None, tap=None
 ) -> Float[Array, "B T V"]:
     """tokens [B, T] -> logits [B, T, V], unjitted and unchecked. A key turns on dropout (training only);
     a tap (gpt2_jax.interp) records or edits the activations at TransformerLens's hook points."""
@@ -99,7 +99,7 @@ def trunk(
     params: Params,
     tokens: Int[Array, "B T"],
     config: GPT2Config,
-    key: Key[Array, ""] | None = None,
+    key: jax.Array | None = None,
     tap=None,
     unroll: int = 1,
     remat: bool = False,
