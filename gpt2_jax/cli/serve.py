@@ -178,8 +178,10 @@ def run_serve(args: argparse.Namespace) -> int:
                     if args.command == "explain":  # the one line the reader needs, on stdout
                         print(f"the explainer: http://{shown}:{port}/explain", flush=True)
 
+        # uvicorn annotates timeout_keep_alive as int but hands it to loop.call_later, which takes float seconds
         server = Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                       timeout_graceful_shutdown=10, timeout_keep_alive=bounds.idle_timeout,
+                                       timeout_graceful_shutdown=10,
+                                       timeout_keep_alive=bounds.idle_timeout,  # pyright: ignore[reportArgumentType]
                                        http=header_timeout(bounds.idle_timeout)))  # fmt: skip
         for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn re-raises the signal it stopped on: make that a no-op
             signal.signal(sig, lambda *_: None)
