@@ -129,7 +129,7 @@ def test_without_the_kernels_decode_still_equals_a_full_forward(model, batch_run
     from gpt2_jax import kernels
 
     _, params, config = model
-    monkeypatch.setattr(kernels.ffi, "_REGISTERED", False)
+    monkeypatch.setattr(kernels.registry, "_REGISTERED", False)
     jax.clear_caches()  # programs traced with the kernels must not be reused (nor these, after)
     try:
         assert kernels.available() is None

@@ -300,7 +300,7 @@ def test_without_the_kernel_matmul_is_xla_in_its_row_count_independent_form(monk
     XLA_MIN_ROWS rows padded, still gives a row the same bits alone as among others."""
     from gpt2_jax.model.invariant import matmul
 
-    monkeypatch.setattr(kernels.ffi, "_REGISTERED", False)
+    monkeypatch.setattr(kernels.registry, "_REGISTERED", False)
     assert kernels.available() is None
     rng = np.random.default_rng(5)
     x = rng.standard_normal((9, 768), np.float32)
@@ -335,7 +335,7 @@ def test_without_the_kernels_on_the_cpu_a_warning_says_so_once(monkeypatch):
 
     from gpt2_jax.model.invariant import matmul
 
-    monkeypatch.setattr(kernels.ffi, "_REGISTERED", False)
+    monkeypatch.setattr(kernels.registry, "_REGISTERED", False)
     monkeypatch.setattr(kernels.ffi, "_WARNED", False)
     x, w = np.ones((2, 32), np.float32), np.ones((8, 32), np.float32)
     with warnings.catch_warnings(record=True) as caught:
@@ -350,7 +350,7 @@ def test_without_the_kernels_on_the_cpu_a_warning_says_so_once(monkeypatch):
 def test_an_entry_of_a_stacked_array_is_read_in_place_with_the_same_bits_as_its_slice():
     """Entry (a layer of the KV cache): the same product as on the sliced-out layer, bit for bit,
     for every layer, with an out-of-range index clamped as XLA's slicing clamps it."""
-    from gpt2_jax.kernels.ffi import Entry
+    from gpt2_jax.kernels.products import Entry
 
     rng = np.random.default_rng(6)
     stacked = rng.standard_normal((3, 2, 4, 40, 64), np.float32)  # [L, B, H, S, K], like the key cache
@@ -431,7 +431,7 @@ def test_ends_skip_work_without_changing_any_needed_output():
 
 
 def test_chain_gradient_and_entry():
-    from gpt2_jax.kernels.ffi import Entry
+    from gpt2_jax.kernels.products import Entry
 
     rng = np.random.default_rng(8)
     x = rng.standard_normal((2, 6, 64), np.float32)
@@ -452,7 +452,8 @@ _PAGED_SCRIPT = """
 import sys
 import numpy as np
 import jax, jax.numpy as jnp
-from gpt2_jax.kernels.ffi import Paged, chain
+from gpt2_jax.kernels.ffi import chain
+from gpt2_jax.kernels.products import Paged
 
 rng = np.random.default_rng(11)
 L, N, H, K, C, B, M, T = 2, 9, 3, 64, 128, 3, 4, 5

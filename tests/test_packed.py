@@ -152,7 +152,7 @@ def test_the_cli_samples_float32s_very_text_from_packed_weights(capsys):
 def test_without_the_kernels_packed_weights_are_unpacked_for_xlas_matmul(monkeypatch):
     """Where the kernels do not run (a GPU, no compiler), rowdot_packed and packed_rows unpack the weight in jnp and
     hand it to XLA: the values of x @ w.T and of w's rows (exact for the rows, close for the product)."""
-    monkeypatch.setattr(kernels.ffi, "_REGISTERED", False)
+    monkeypatch.setattr(kernels.registry, "_REGISTERED", False)
     jax.clear_caches()
     try:
         assert kernels.available() is None

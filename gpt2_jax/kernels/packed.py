@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gpt2_jax.errors import ConfigError
-from gpt2_jax.kernels import ffi
+from gpt2_jax.kernels import ffi, registry
 
 GROUP, GROUP_BYTES, ESCAPE = 16, 56, 15  # floats per group, their bytes, the escape's code (packed.h)
 
@@ -110,7 +110,9 @@ def rowdot_packed(x: jax.Array, p: Packed) -> jax.Array:
     result = jax.ShapeDtypeStruct((x2.shape[0], p.data.shape[0]), jnp.float32)
 
     def kernel(x2, data, lut, esc_off, esc):
-        return jax.ffi.ffi_call(ffi.TARGET + "_packed", result, vmap_method="expand_dims")(x2, data, lut, esc_off, esc)
+        return jax.ffi.ffi_call(registry.TARGET + "_packed", result, vmap_method="expand_dims")(
+            x2, data, lut, esc_off, esc
+        )
 
     def other(x2, data, lut, esc_off, esc):
         w = unpack(Packed(data, lut, esc_off, esc, p.shape))
@@ -127,7 +129,7 @@ def packed_rows(p: Packed, ids: jax.Array) -> jax.Array:
     result = jax.ShapeDtypeStruct((flat.shape[0], p.shape[-1]), jnp.float32)
 
     def kernel(data, lut, esc_off, esc, flat):
-        return jax.ffi.ffi_call(ffi.TARGET + "_packed_rows", result, vmap_method="expand_dims")(
+        return jax.ffi.ffi_call(registry.TARGET + "_packed_rows", result, vmap_method="expand_dims")(
             data, lut, esc_off, esc, flat
         )
 

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from gpt2_jax.config import GPT2Config
-from gpt2_jax.kernels.ffi import Entry
+from gpt2_jax.kernels.products import Entry
 from gpt2_jax.model.axes import constrain
 
 

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from gpt2_jax.config import GPT2Config
-from gpt2_jax.kernels.ffi import Paged
+from gpt2_jax.kernels.products import Paged
 from gpt2_jax.model.attention import KEY_BLOCK
 from gpt2_jax.model.axes import constrain
 from gpt2_jax.model.kv_cache import visible
