@@ -84,10 +84,10 @@ def test_grpo_refuses_params_it_cannot_train_on_policy(tiny, mode):
     """rl.grpo takes float32 params; the bundled model's stored bfloat16 (load's default) and the inference
     forms are refused before any sampling, with the load that works, never an error from inside jax.grad."""
     _, params, config = tiny
-    loaded = gpt2_jax.precision.with_precision(params, mode)
+    loaded = gpt2_jax.model.precision.with_precision(params, mode)
     match = "needs float32 params, got bfloat16" if mode == "bfloat16" else f"{mode} params are for inference only"
     with pytest.raises(ConfigError, match=match):
         rl.grpo(loaded, config, [[1, 2, 3]], rl.length_reward(4), jax.random.key(0), steps=1, group_size=2)
     with pytest.raises(ConfigError, match="needs float32 ref_params, got bfloat16"):
         rl.grpo(params, config, [[1, 2, 3]], rl.length_reward(4), jax.random.key(0), steps=1, group_size=2,
-                ref_params=gpt2_jax.precision.with_precision(params, "bfloat16"))  # fmt: skip
+                ref_params=gpt2_jax.model.precision.with_precision(params, "bfloat16"))  # fmt: skip

@@ -137,7 +137,7 @@ def test_bfloat16_params_train_and_inference_forms_are_refused(hf_and_ours):
     fused head's custom VJP gives each primal its own dtype); int8, w8a8 and float32-packed are refused by name."""
     _, params, config = hf_and_ours
     tokens = jnp.asarray(np.random.default_rng(3).integers(0, 101, (2, 9)), jnp.int32)
-    low = gpt2_jax.precision.with_precision(params, "bfloat16")
+    low = gpt2_jax.model.precision.with_precision(params, "bfloat16")
     loss16, g16 = jax.value_and_grad(loss_fn)(low, tokens, config)
     loss32, g32 = jax.value_and_grad(loss_fn)(params, tokens, config)
     assert g16["wte"].dtype == jnp.bfloat16 and abs(float(loss16) - float(loss32)) < 2e-2 * float(loss32)
@@ -147,7 +147,7 @@ def test_bfloat16_params_train_and_inference_forms_are_refused(hf_and_ours):
     assert state.params["wte"].dtype == jnp.bfloat16 and np.isfinite(float(metrics["loss"]))
     for mode in ("int8", "w8a8", "float32-packed"):
         with pytest.raises(ConfigError, match=f"{mode} params are for inference only"):
-            init_state(gpt2_jax.precision.with_precision(params, mode), optimizer)
+            init_state(gpt2_jax.model.precision.with_precision(params, mode), optimizer)
 
 
 def test_tiny_model_overfits_one_batch():

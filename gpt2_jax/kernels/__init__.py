@@ -41,7 +41,8 @@ the extension was not built (no C++ compiler at install time) or the CPU lacks A
 says which. Gradients are XLA's matmuls: gradients are compared to a tolerance, never bitwise across
 batch shapes.
 
-  ffi.py        the XLA FFI targets, rowdot / chain / softmax / cumsum / argmax and their custom VJPs
+  ffi.py        rowdot / chain / softmax / cumsum / argmax as jax functions; products.py: the matmuls'
+                dispatch, Entry / Paged operands and their custom VJPs; registry.py: the FFI targets registered
   invariance.py what else keeps a row's bits batch-independent on XLA's CPU backend (row padding)
   packed.py     Packed weights: pack, unpack, rowdot_packed, packed_rows
   report.py     report(): which path each op takes at 1, 8 and 512 rows here, from dispatch.h itself

@@ -9,6 +9,7 @@ objective.py  group advantages, the clipped ratio objective, the KL to a referen
 rewards.py    rewards on text: regex, length, a Python function; the CLI's spec strings
 step.py       one jitted optimisation epoch (training's TrainState and optimizer)
 loop.py       grpo(): sample, score, several epochs per batch; checkpoints, history, bit-exact resume
+runner.py     a run's steps: sample_groups, one batch's rollouts and epochs
 plots.py      the run's reward / KL / mismatch figure
 """
 

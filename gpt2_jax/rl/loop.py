@@ -92,7 +92,7 @@ def _check_params(params: Params, ref_params: Params | None) -> None:
         if p is not None and float_dtype(p) != jnp.float32:
             raise ConfigError(f"rl.grpo needs float32 {name}, got {float_dtype(p)}: exactly on-policy scoring holds "
                               "in float32; load with gpt2_jax.load(path, dtype='float32') or cast with "
-                              "gpt2_jax.precision.with_precision(params, 'float32')")  # fmt: skip
+                              "gpt2_jax.model.precision.with_precision(params, 'float32')")  # fmt: skip
 
 
 def grpo(

@@ -21,7 +21,13 @@ The HTTP parts need the serve extra (fastapi, uvicorn); they are imported on fir
 needs neither.
 """
 
+import typing
+
 from gpt2_jax.serving.engine import Engine
+
+if typing.TYPE_CHECKING:  # imported on first use (below): they need the serve extra
+    from gpt2_jax.serving.api import create_app
+    from gpt2_jax.serving.limits import Limits
 
 __all__ = ["Engine", "Limits", "create_app"]
 
