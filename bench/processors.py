@@ -63,7 +63,7 @@ def rows(C, cases) -> list[tuple[str, str, str, dict]]:
     bias = {int(t): float(b) for t, b in zip(rng.choice(50000, 10, replace=False), rng.uniform(-5, 5, 10))}
     words = [rng.integers(0, 50000, int(n)).tolist() for n in rng.integers(1, 4, 20)]  # 20 words of 1-3 tokens
     plain = dict(temperature=1.0, top_k=0, eos_id=None)
-    eos = dict(plain, eos_id=C.GPT2_EOS)
+    eos = dict(plain, eos_id=C.automaton.GPT2_EOS)
     penalties = dict(repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.5, logit_bias=bias,
                      no_repeat_ngram_size=3, bad_words_ids=words, min_new_tokens=NEW, min_p=0.05)  # fmt: skip
     return [

@@ -27,7 +27,7 @@ def test_sixty_programs_through_the_engine_and_by_hand_in_one_process():
     )
     survived = re.search(r"^survived: (\d+) programs compiled \(\d+ big, 0 cache hits\) in \d+ s", proc.stdout, re.M)
     assert survived and int(survived[1]) >= 60, proc.stdout[-4000:]
-    assert re.search(r"Engine\(max_batch=\d, max_seq=\d+\)\.compile\(\) \[\d+ programs\]", proc.stdout)
+    assert re.search(r"Engine\(max_batch=\d, max_seq=\d+\)\.programs\.compile\(\) \[\d+ programs\]", proc.stdout)
     assert re.search(r"aot decode_step B=\d", proc.stdout)
 
 
