@@ -20,6 +20,7 @@ from gpt2_jax.cli import serve_args as cli_serve_args
 from gpt2_jax.cli import train as cli_train
 from gpt2_jax.cli.help import HelpFormatter
 from gpt2_jax.errors import GPT2JaxError
+from gpt2_jax.model.precision_type import MODES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stream", action="store_true", help="print text as it is generated")
     gen.add_argument(
         "--dtype",
-        choices=["float32", "float32-packed", "bfloat16", "int8", "w8a8"],
+        choices=list(MODES),
         default=None,
         help="the weights' precision (default on a CPU: float32, whatever the checkpoint stores, as serve does, so "
         "a --seed gives the server's text for that seed; elsewhere the stored dtype); "

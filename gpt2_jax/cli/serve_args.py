@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from gpt2_jax.model.precision_type import MODES
+
 
 def serve_parser(serve: argparse.ArgumentParser, cache_arg) -> None:
     add = serve.add_argument
@@ -42,7 +44,7 @@ def serve_parser(serve: argparse.ArgumentParser, cache_arg) -> None:
     )
     add(
         "--dtype",
-        choices=["float32", "float32-packed", "bfloat16", "int8", "w8a8"],
+        choices=list(MODES),
         default=None,
         help="the weights' precision (default on a CPU: float32, whatever the checkpoint stores, since it is "
         "exact and fast there; elsewhere the stored dtype); float32-packed = float32's exact values in 3.5 bytes "
