@@ -76,19 +76,20 @@ def prompt_ids(prompt: Any, config: GPT2Config) -> list[int]:
     return ids
 
 
+def _index(kind: str, value: Any, n: int) -> int:
+    """A layer's or head's index in [0, n), or an InputError naming what this model has."""
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or not 0 <= value < n:
+        raise InputError(f"unknown {kind} {value!r}: this model has {kind}s 0..{n - 1}")
+    return int(value)
+
+
 def check_layer(layer: Any, config: GPT2Config) -> int:
-    if not isinstance(layer, (int, np.integer)) or isinstance(layer, bool) or not 0 <= layer < config.n_layer:
-        raise InputError(f"unknown layer {layer!r}: this model has layers 0..{config.n_layer - 1}")
-    return int(layer)
+    return _index("layer", layer, config.n_layer)
 
 
 def check_head(head: Any, config: GPT2Config) -> int | None:
     """A head index, or None for every head (a saved page holds them all)."""
-    if head is None:
-        return None
-    if not isinstance(head, (int, np.integer)) or isinstance(head, bool) or not 0 <= head < config.n_head:
-        raise InputError(f"unknown head {head!r}: this model has heads 0..{config.n_head - 1}")
-    return int(head)
+    return None if head is None else _index("head", head, config.n_head)
 
 
 def padded(ids: list[int], config: GPT2Config) -> np.ndarray:
