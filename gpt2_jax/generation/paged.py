@@ -53,6 +53,17 @@ def init_paged(config: GPT2Config, rows: int, num_blocks: int, blocks_per_row: i
                        zero() + filler, zero(), history, zero())  # fmt: skip
 
 
+def fill_chunk(params: Params, pool: PagedKVCache, table: Int[Array, " M"], tokens: Int[Array, " T"],
+               start: Int[Array, ""], last: Int[Array, ""],
+               config: GPT2Config) -> tuple[PagedKVCache, Float[Array, " V"]]:  # fmt: skip
+    """Tokens [T] of one prompt into slots [start, start + T) of the row whose blocks are table [M], in `pool`
+    (a model's blocks: the target's, or a draft model's own pool under the same tables) -> (pool, logits [V] of
+    chunk token `last`)."""
+    cache = PagedKVCache(pool.k, pool.v, table[None], start[None])
+    logits, cache = forward_cached(params, tokens[None], cache, config, last=last[None])
+    return pool._replace(k=cache.k, v=cache.v), logits[0, 0]
+
+
 @functools.partial(jax.jit, static_argnames="config", donate_argnames="state")
 def prefill_chunk(params: Params, state: DecodeState, table: Int[Array, " M"], tokens: Int[Array, " T"],
                   start: Int[Array, ""], last: Int[Array, ""],
@@ -61,10 +72,8 @@ def prefill_chunk(params: Params, state: DecodeState, table: Int[Array, " M"], t
     place in the state's pool, donated) -> (state, logits [V] of chunk token `last`). Slots before `start` already
     hold the prompt's earlier tokens (earlier chunks, or shared blocks); tokens past the prompt (a chunk's padding)
     land in slots the row overwrites before it reads them, or in the null block."""
-    pool = _pool(state)
-    cache = PagedKVCache(pool.k, pool.v, table[None], start[None])
-    logits, cache = forward_cached(params, tokens[None], cache, config, last=last[None])
-    return state._replace(cache=pool._replace(k=cache.k, v=cache.v)), logits[0, 0]
+    pool, logits = fill_chunk(params, _pool(state), table, tokens, start, last, config)
+    return state._replace(cache=pool), logits
 
 
 @functools.partial(jax.jit, donate_argnames="state")
@@ -107,23 +116,34 @@ def _head(tree, rows: int):
     return jax.tree.map(lambda a: a[:rows], tree)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "rows", "r"), donate_argnames="state")
-def decode_rows(params: Params, state: DecodeState, rules: Rules, config: GPT2Config, rows: int,
-                r: int = 0) -> tuple[DecodeState, Step]:  # fmt: skip
-    """decode_step over rows [0, rows) of a paged state: draw a token [rows] per row, feed it back (the pool is
-    shared, every other row is left as it is) -> (state, Step [rows])."""
+def head_rows(state: DecodeState, rules: Rules, rows: int) -> tuple[DecodeState, Rules]:
+    """Rows [0, rows) of a paged state and of its rules: what a step over the first `rows` rows works on (the
+    pool stays whole: it is shared)."""
     pool = _pool(state)
     head = _head(state._replace(cache=None), rows)._replace(
         cache=PagedKVCache(pool.k, pool.v, pool.table[:rows], pool.lengths[:rows])
     )
     c = rules.constraint
     settings, processors, stop = _head((rules.settings, rules.processors, rules.stop), rows)
-    head_rules = Rules(settings, processors, stop, c._replace(group=c.group[:rows], start=c.start[:rows]))
-    head, step = draw(head, head_rules, config.valid_vocab, r)
-    head = feed(params, head, step.token, config)
+    return head, Rules(settings, processors, stop, c._replace(group=c.group[:rows], start=c.start[:rows]))
+
+
+def put_rows(state: DecodeState, head: DecodeState, rows: int) -> DecodeState:
+    """head_rows' rows, stepped, back into the whole state (the pool as the step left it; tables unchanged)."""
+    pool = _pool(state)
     put = lambda big, small: big.at[:rows].set(small)
     rest = jax.tree.map(put, state._replace(cache=None), head._replace(cache=None))
-    cache = pool._replace(
-        k=head.cache.k, v=head.cache.v, table=pool.table, lengths=put(pool.lengths, head.cache.lengths)
+    return rest._replace(
+        cache=pool._replace(k=head.cache.k, v=head.cache.v, lengths=put(pool.lengths, head.cache.lengths))
     )
-    return rest._replace(cache=cache), step
+
+
+@functools.partial(jax.jit, static_argnames=("config", "rows", "r"), donate_argnames="state")
+def decode_rows(params: Params, state: DecodeState, rules: Rules, config: GPT2Config, rows: int,
+                r: int = 0) -> tuple[DecodeState, Step]:  # fmt: skip
+    """decode_step over rows [0, rows) of a paged state: draw a token [rows] per row, feed it back (the pool is
+    shared, every other row is left as it is) -> (state, Step [rows])."""
+    head, head_rules = head_rows(state, rules, rows)
+    head, step = draw(head, head_rules, config.valid_vocab, r)
+    head = feed(params, head, step.token, config)
+    return put_rows(state, head, rows), step
