@@ -132,16 +132,20 @@ def _draft_option(args: argparse.Namespace, mesh) -> dict:
         return dict(draft="prompt_lookup", num_speculative_tokens=args.speculate)
     if args.draft is None:
         return {}
+    return dict(draft=load_draft(args, mesh), num_speculative_tokens=args.speculate)
+
+
+def load_draft(args: argparse.Namespace, mesh) -> tuple:
+    """--draft's model, in --dtype unless that is an int8 mode (the draft stays in its stored precision)."""
     from gpt2_jax import load
     from gpt2_jax.checkpoints import resolve_model
 
-    draft = load(
+    return load(
         resolve_model(args.draft),
         dtype=None if args.dtype in ("int8", "w8a8") else args.dtype,
         mesh=mesh,
         progress=True,
     )
-    return dict(draft=draft, num_speculative_tokens=args.speculate)
 
 
 def _check_beam_flags(args: argparse.Namespace) -> None:

@@ -62,14 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--mesh", help="run sharded over a device mesh, e.g. data=2,model=4 (see gpt2_jax.parallel.sharding)"
     )
     spec = gen.add_mutually_exclusive_group()
-    spec.add_argument("--draft", metavar="MODEL", help="speculative decoding with this smaller draft model (same "
+    spec.add_argument("--draft", "--draft-model", metavar="MODEL", help="speculative decoding with this smaller draft model (same "
                       "vocabulary; any --model form); the output is the same, only faster")  # fmt: skip
     spec.add_argument(
         "--prompt-lookup",
         action="store_true",
         help="speculative decoding proposing the continuation of earlier matches in the text",
     )
-    gen.add_argument("--speculate", type=int, default=4, metavar="K", help="tokens proposed per round (with --draft "
+    gen.add_argument("--speculate", "--num-speculative-tokens", type=int, default=4, metavar="K", help="tokens proposed per round (with --draft "
                      "or --prompt-lookup)")  # fmt: skip
     _cache_arg(gen)
     cli_train.distributed_args(gen)

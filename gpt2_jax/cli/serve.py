@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from gpt2_jax.cli.generate import load_model
+from gpt2_jax.cli.generate import load_draft, load_model
 from gpt2_jax.errors import GPT2JaxError
 
 
@@ -50,6 +50,15 @@ def pool_blocks(args: argparse.Namespace, config, dtype) -> int | None:
     if args.kv_cache_mb <= 0:
         raise GPT2JaxError(f"--kv-cache-mb must be > 0, got {args.kv_cache_mb:g}")
     return int(args.kv_cache_mb * 2**20 // pool_bytes(config, 1, dtype)) + 1
+
+
+def speculation(args: argparse.Namespace, mesh):
+    """--prompt-lookup / --draft-model / --num-speculative-tokens -> the engine's Speculation, or None."""
+    from gpt2_jax.serving.speculation import Speculation
+
+    if not args.prompt_lookup and args.draft is None:
+        return None
+    return Speculation(k=args.speculate, draft=None if args.prompt_lookup else load_draft(args, mesh))
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -135,6 +144,7 @@ def run_serve(args: argparse.Namespace) -> int:
         engine = Engine(params, config, max_batch=args.max_batch, max_queue=args.max_queue, max_seq=args.max_seq,
                         num_blocks=pool_blocks(args, config, float_dtype(params)), max_constraint_states=
                         args.max_constraint_states, constraint_classes=args.constraint_classes, on_compiled=compiled,
+                        speculation=speculation(args, mesh),
                         **({} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk})).start()  # fmt: skip
         pool_mb = pool_bytes(config, engine.num_blocks, float_dtype(params)) / 2**20
         say(f"compiling the essential programs (max_seq={engine.max_seq}, max_batch={engine.max_batch}, KV pool "

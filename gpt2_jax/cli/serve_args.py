@@ -96,6 +96,20 @@ def serve_parser(serve: argparse.ArgumentParser, cache_arg) -> None:
         default=2,
         help="constraints compiled at once, each in its own process (a cheap one waits only while all are busy)",
     )
+    spec = serve.add_mutually_exclusive_group()
+    spec.add_argument("--prompt-lookup", action="store_true",
+                      help="speculative decoding proposing the continuation of earlier matches in each request's text "
+                      "(the output is the same, only faster where text repeats itself)")  # fmt: skip
+    spec.add_argument(
+        "--draft-model",
+        "--draft",
+        dest="draft",
+        metavar="MODEL",
+        help="speculative decoding with this smaller draft model (same vocabulary; any --model form)",
+    )
+    add("--num-speculative-tokens", "--speculate", dest="speculate", type=int, default=4, metavar="K",
+        help="tokens proposed per round (with --prompt-lookup or --draft-model); the engine runs a round only when "
+        "it is measured to give more tokens per second than a plain step; a request opts out with \"speculative\": false")  # fmt: skip
     add("--no-playground", action="store_true", help="serve no page at / (the API only)")
     add("--allocator", choices=["auto", "jemalloc", "glibc"], default="auto",
         help="the process's malloc: auto runs on jemalloc where it is installed (libjemalloc2), whose RSS stays "

@@ -1,5 +1,5 @@
 """The engine's DeviceBatch: one paged decode state for every row, and every row's rules at fixed widths (the
-device side of the slots in serving.slots).
+device side of the slots in serving.slots), and with a draft model its pool.
 
 The rules (sampling settings, processors, stop ids, constraint tables) live on the host as numpy arrays at the
 engine's fixed shapes, are edited row by row when a request starts, and are sent to the device whole only when
@@ -20,6 +20,7 @@ from gpt2_jax.compiling import pow2_bucket
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.generation.batching import prepare
 from gpt2_jax.generation.paged import init_paged
+from gpt2_jax.generation.speculative.paged import init_draft_pool
 from gpt2_jax.model import Params
 from gpt2_jax.model.params import float_dtype
 from gpt2_jax.sampling import SamplingParams
@@ -36,7 +37,7 @@ class DeviceBatch:
     """The engine's batch on the device: B rows over a pool of num_blocks blocks (M per row), and their rules."""
 
     def __init__(self, params: Params, config: GPT2Config, rows: int, num_blocks: int, blocks_per_row: int,
-                 max_constraint_states: int, constraint_classes: int):  # fmt: skip
+                 max_constraint_states: int, constraint_classes: int, draft: Any = None):  # fmt: skip
         self.config, self.rows = config, rows
         self.filler = config.eos_id if config.eos_id is not None else 0  # what an idle row emits, never read
         self.table_shape = (
@@ -53,6 +54,11 @@ class DeviceBatch:
         self.rules = self._device_rules()
         self.state = init_paged(config, rows, num_blocks, blocks_per_row, float_dtype(params), self.filler)
         self.state_spec, self.rules_spec = spec(self.state), spec(self.rules)
+        # speculation (serving.speculation): the draft model's pool under the same tables, if there is a draft;
+        # each row's max_new_tokens and whether it speculates
+        self.draft_pool = None if draft is None else init_draft_pool(draft[1], num_blocks, float_dtype(draft[0]))
+        self.draft_spec = spec(self.draft_pool)
+        self.until, self.want = np.zeros(rows, np.int32), np.zeros(rows, bool)
 
     def _device_rules(self) -> Any:
         r = self.host

@@ -6,7 +6,8 @@ then goes in chunk by chunk (at most prefill_chunk tokens per engine step, gener
 chunk between two decode steps, so the running streams keep flowing while a long prompt arrives. Then it joins
 the decode steps, which advance every decoding row at once (decode_rows over the first 2, 8, 32, ... rows, the
 smallest compiled size that covers them), and leaves the moment it finishes; its named blocks stay cached.
-Because a row's bits never depend on its neighbours, its row, its blocks, who computed a shared block, the chunks
+With speculation (serving.speculation), a step may instead be a speculative round that gives each row up to k + 1
+tokens, the ones plain steps would give. Because a row's bits never depend on its neighbours, its row, its blocks, who computed a shared block, the chunks
 its prompt was cut into or when it arrived, a served request gives exactly the tokens and logprobs of `generate`
 run on it alone with the same key.
 
@@ -35,6 +36,7 @@ from gpt2_jax.serving.engine_programs import Name
 from gpt2_jax.serving.engine_rows import EngineRows
 from gpt2_jax.serving.memory import freeze_heap, release_free_memory, thaw_heap
 from gpt2_jax.serving.slots import Cancelled, QueueFull, Request, tell
+from gpt2_jax.serving.speculation import Speculation, check_draft
 
 DEFAULT_PREFILL_CHUNK = 32  # tokens per prefill chunk: bench/serve.py measures gaps and time to first token
 
@@ -45,14 +47,18 @@ class Engine:
     max_seq: prompt + max_tokens limit per request. prefill_chunk: the most prompt tokens computed between two
     decode steps. max_constraint_states / constraint_classes: the most states and token classes one request's
     constraint may have (the tables hold twice the states; a constrained request waits while they are full).
-    on_compiled(name, seconds) is called on the compiler thread as each program is built."""
+    on_compiled(name, seconds) is called on the compiler thread as each program is built. speculation: speculative
+    decoding (serving.speculation), or None."""
 
     def __init__(self, params: Params, config: GPT2Config, *, max_batch: int = 32, max_queue: int = 64,
                  max_seq: int | None = None, num_blocks: int | None = None,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, max_constraint_states: int = 4096,
-                 constraint_classes: int = 512, on_compiled: Callable[[Name, float], None] | None = None):  # fmt: skip
+                 constraint_classes: int = 512, on_compiled: Callable[[Name, float], None] | None = None,
+                 speculation: Speculation | None = None):  # fmt: skip
         max_seq, num_blocks = check_settings(config, max_batch, max_queue, max_seq, num_blocks, prefill_chunk,
                                              max_constraint_states, constraint_classes)  # fmt: skip
+        if speculation is not None and speculation.draft is not None:
+            check_draft(config, speculation.draft, max_seq)
         self.params, self.config, self.max_batch, self.max_queue = params, config, max_batch, max_queue
         self.max_seq, self.prefill_chunk, self.num_blocks = max_seq, prefill_chunk, num_blocks
         self.max_constraint_states, self.constraint_classes = max_constraint_states, constraint_classes
@@ -66,7 +72,7 @@ class Engine:
         self.rows = EngineRows(params, config, self.lock, max_batch=max_batch, max_seq=max_seq,
                                num_blocks=num_blocks, prefill_chunk=prefill_chunk,
                                max_constraint_states=max_constraint_states, constraint_classes=constraint_classes,
-                               on_built=self._compiled)  # fmt: skip
+                               on_built=self._compiled, speculation=speculation)  # fmt: skip
         self.programs = self.rows.programs
 
     def _compiled(self, name: Name, seconds: float) -> None:
@@ -105,6 +111,7 @@ class Engine:
             active = rows.active()
             return {"active": len(active), "queued": len(self.queue), "prefilling": sum(not s.decoding for s in active),
                     "generated_tokens": rows.generated_tokens, "prefill_tokens": rows.prefill_tokens,
+                    "speculative_proposed": rows.proposed, "speculative_accepted": rows.accepted,
                     "compiling": len(self.programs.pending()), **rows.pool.stats()}  # fmt: skip
 
     # ---- the loop --------------------------------------------------------------------------------

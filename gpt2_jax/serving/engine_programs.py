@@ -4,6 +4,8 @@ EnginePrograms is the Engine's registry of programs (held by the Engine, not mix
 named method that gives its compiled callable:
   prefill(T)           one prompt chunk of T tokens (T: 16, 32, ... up to prefill_chunk)
   decode(R, top)       the smallest built decode step over rows [0, R) (R: 2, 8, 32, ... and max_batch)
+  speculate(R, top)    with speculation: the smallest built speculative round over rows [0, R)
+  draft(T)             with a draft model: one prompt chunk of T tokens into the draft's pool
   start_row(), stop_rows(), set_automaton()   the small programs that start a row, stop rows, move constraint
                        states
 serving.programs' background thread compiles them; its registry and log name each by a (kind, size) pair:
@@ -23,6 +25,7 @@ from gpt2_jax.config import GPT2Config
 from gpt2_jax.generation import prompt_logprobs
 from gpt2_jax.generation.batching import bucket
 from gpt2_jax.generation.paged import decode_rows, prefill_chunk, start_row, stop_rows
+from gpt2_jax.generation.speculative.paged import draft_chunk, speculate_rows
 from gpt2_jax.model import Params
 from gpt2_jax.sampling.checks import MAX_TOP_LOGPROBS
 from gpt2_jax.serving.programs import Programs
@@ -56,6 +59,8 @@ class Shapes(NamedTuple):
     prefill_chunk: int
     blocks_per_row: int
     capacity: int  # tokens a row's blocks hold
+    speculation: Any = None  # serving.speculation.Speculation, or None
+    draft_pool: Any = None  # the draft model's pool as ShapeDtypeStructs, or None
 
 
 class EnginePrograms:
@@ -74,8 +79,20 @@ class EnginePrograms:
     def decode(self, rows: int, top: bool) -> Compiled | None:
         """generation.decode_rows for rows [0, rows): the smallest built step that covers them (with top logprobs
         if asked), or None when none is built."""
-        name = self._built_decode(rows, top)
+        name = self._built(rows, top, _decode_name)
         return None if name is None else self.compiler.get(name)
+
+    def speculate(self, rows: int, top: bool) -> Compiled | None:
+        """generation.speculative.paged.speculate_rows for rows [0, rows): the smallest built round that covers
+        them, or None when none is built (a plain step runs instead; the round is asked for)."""
+        name = self._built(rows, top, _speculate_name)
+        if name is None:
+            self.want_speculate(next(r for r in self.row_buckets() if r >= rows), top)
+        return None if name is None else self.compiler.get(name)
+
+    def draft(self, T: int) -> Compiled:
+        """generation.speculative.paged.draft_chunk: T prompt tokens of one row into the draft model's pool."""
+        return self._now(self.want_draft(T, priority=-1.0))
 
     def start_row(self) -> Compiled:
         """generation.start_row: a prefilled row joins the decode steps."""
@@ -95,11 +112,13 @@ class EnginePrograms:
         self.compiler.wait([name])
         return self.compiler.get(name)
 
-    def _built_decode(self, rows: int, top: bool) -> Name | None:
+    def _built(self, rows: int, top: bool, named: Callable[[int, bool], Name]) -> Name | None:
+        """The smallest built step of that kind (named(R, top)) over at least `rows` rows, with top logprobs if
+        asked (a step with them serves a batch without), or None."""
         tops = (True,) if top else (False, True)
         built = [(r, t) for t in tops for r in self.row_buckets()
-                 if r >= rows and self.compiler.get(_decode_name(r, t)) is not None]  # fmt: skip
-        return _decode_name(*min(built)) if built else None
+                 if r >= rows and self.compiler.get(named(r, t)) is not None]  # fmt: skip
+        return named(*min(built)) if built else None
 
     # ---- asking for them: each want_ queues a build unless it is built or queued, and returns its name --------
     def want_prefill(self, T: int, priority: float = 1.0) -> Name:
@@ -114,6 +133,24 @@ class EnginePrograms:
         build = lambda: decode_rows.lower(s.params, s.state, s.rules, s.config, rows, r).compile()
         self.compiler.want(_decode_name(rows, top), build, priority)
         return _decode_name(rows, top)
+
+    def want_speculate(self, rows: int, top: bool = False, priority: float = 1.0) -> Name:
+        s, r = self.shapes, MAX_TOP_LOGPROBS if top else 0
+        spec = s.speculation
+        until, want = jax.ShapeDtypeStruct((s.max_batch,), jnp.int32), jax.ShapeDtypeStruct((s.max_batch,), bool)
+        build = lambda: speculate_rows.lower(s.params, spec.draft_params, s.state, s.draft_pool, s.rules, until, want,
+                                             s.config, spec.draft_config, rows, spec.k, r).compile()  # fmt: skip
+        self.compiler.want(_speculate_name(rows, top), build, priority)
+        return _speculate_name(rows, top)
+
+    def want_draft(self, T: int, priority: float = 1.0) -> Name:
+        s, tokens = self.shapes, jax.ShapeDtypeStruct((T,), jnp.int32)
+        table = jax.ShapeDtypeStruct((s.blocks_per_row,), jnp.int32)
+        spec = s.speculation
+        build = lambda: draft_chunk.lower(spec.draft_params, s.draft_pool, table, tokens, I32,
+                                          spec.draft_config).compile()  # fmt: skip
+        self.compiler.want(Name("draft", T), build, priority)
+        return Name("draft", T)
 
     def _want_row(self, name: Name, priority: float) -> Name:
         self.compiler.want(name, _row_builds(self.shapes)[name], priority)
@@ -135,8 +172,9 @@ class EnginePrograms:
         return [want(priority) for want in self._essential()]
 
     def _essential(self) -> list[Callable[[float], Name]]:
+        drafts = [lambda p: self.want_draft(self.chunk_buckets()[0], p)] if self._drafting() else []
         return [lambda p: self.want_decode(self.row_buckets()[0], priority=p),
-                lambda p: self.want_prefill(self.chunk_buckets()[0], p),
+                lambda p: self.want_prefill(self.chunk_buckets()[0], p), *drafts,
                 *(functools.partial(self._want_row, name) for name in ROW_PROGRAMS)]  # fmt: skip
 
     def compile(self, wait: bool = True, timeout: float | None = None) -> list[Name]:
@@ -146,6 +184,11 @@ class EnginePrograms:
         wants += [functools.partial(self.want_decode, r, False) for r in self.row_buckets()[1:]]
         wants += [functools.partial(self.want_prefill, t) for t in self.chunk_buckets()[1:]]
         wants += [functools.partial(self.want_decode, r, True) for r in self.row_buckets()]
+        if self.shapes.speculation is not None:
+            wants += [functools.partial(self.want_draft, t) for t in self.chunk_buckets() if self._drafting()]
+            wants += [
+                functools.partial(self.want_speculate, r, top) for top in (False, True) for r in self.row_buckets()
+            ]
         names = [want(float(i)) for i, want in enumerate(wants)]
         if wait:
             self.wait(names, timeout)
@@ -164,7 +207,7 @@ class EnginePrograms:
         when top."""
         names = [*(self._want_row(n, 0.0) for n in ROW_PROGRAMS), *self._chunks(request, start)]
         missing = [n for n in names if self.compiler.get(n) is None]
-        if self._built_decode(rows, top) is None:
+        if self._built(rows, top, _decode_name) is None:
             missing.append(self.want_decode(next(r for r in self.row_buckets() if r >= rows), top, priority=0.0))
         return not missing
 
@@ -173,7 +216,12 @@ class EnginePrograms:
         chunk, left = self.shapes.prefill_chunk, len(request.prompt) - start
         sizes = [chunk] if left > chunk else []
         sizes.append(bucket(left % chunk or chunk, chunk))
-        return [self.want_prefill(T, priority=0.0) for T in sizes]
+        drafts = [self.want_draft(T, priority=0.0) for T in sizes] if self._drafting() else []
+        return [self.want_prefill(T, priority=0.0) for T in sizes] + drafts
+
+    def _drafting(self) -> bool:
+        spec = self.shapes.speculation
+        return spec is not None and spec.draft is not None
 
     # ---- sizes and the compiler's state ----------------------------------------------------------
     def row_buckets(self) -> list[int]:
@@ -205,6 +253,10 @@ class EnginePrograms:
 
 def _decode_name(rows: int, top: bool) -> Name:
     return Name("decode+top" if top else "decode", rows)
+
+
+def _speculate_name(rows: int, top: bool) -> Name:
+    return Name("speculate+top" if top else "speculate", rows)
 
 
 def _row_builds(s: Shapes) -> dict[Name, Callable[[], Compiled]]:

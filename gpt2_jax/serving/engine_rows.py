@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import numpy as np
 
 from gpt2_jax.config import GPT2Config
@@ -27,6 +28,7 @@ from gpt2_jax.serving.blocks import BlockPool
 from gpt2_jax.serving.engine_checks import automaton
 from gpt2_jax.serving.engine_programs import EnginePrograms, Shapes
 from gpt2_jax.serving.slots import Cancelled, Request, Slot, tell
+from gpt2_jax.serving.speculation import Policy, Speculation
 
 Ended = tuple[int, str, Any]  # a row that ends: (row, event kind, payload)
 
@@ -36,8 +38,12 @@ class EngineRows:
 
     def __init__(self, params: Params, config: GPT2Config, lock: threading.Condition, *, max_batch: int,
                  max_seq: int, num_blocks: int, prefill_chunk: int, max_constraint_states: int,
-                 constraint_classes: int, on_built: Callable[[Any, float], None]):  # fmt: skip
+                 constraint_classes: int, on_built: Callable[[Any, float], None],
+                 speculation: Speculation | None = None):  # fmt: skip
         self.params, self.config, self.lock = params, config, lock
+        self.speculation = speculation
+        self.policy = None if speculation is None else Policy(speculation)
+        self.proposed = self.accepted = 0  # speculative decoding's proposals and the ones kept
         self.max_batch, self.num_blocks, self.prefill_chunk = max_batch, num_blocks, prefill_chunk
         self.blocks_per_row = -(-max_seq // KEY_BLOCK)
         self.capacity = self.blocks_per_row * KEY_BLOCK
@@ -47,14 +53,15 @@ class EngineRows:
         self.reset()
         b = self.batch
         shapes = Shapes(params, config, b.state_spec, b.rules_spec, max_batch, max_seq, prefill_chunk,
-                        self.blocks_per_row, self.capacity)  # fmt: skip
+                        self.blocks_per_row, self.capacity, speculation, b.draft_spec)  # fmt: skip
         self.programs = EnginePrograms(shapes, on_built)
 
     def reset(self) -> None:
         """Every block free, the prefix cache empty, the device batch new."""
         self.pool = BlockPool(self.num_blocks, KEY_BLOCK)
+        draft = None if self.speculation is None else self.speculation.draft
         self.batch = DeviceBatch(self.params, self.config, self.max_batch, self.num_blocks, self.blocks_per_row,
-                                 *self.constraint_sizes)  # fmt: skip
+                                 *self.constraint_sizes, draft)  # fmt: skip
 
     def fail(self, error: Exception) -> None:
         """Every request in flight gets the error, and the rows start over."""
@@ -105,6 +112,7 @@ class EngineRows:
             tell(request, "error", Cancelled("cancelled before it started"))
         for b, slot in admitted:
             self.batch.set_row(b, slot.request.prepared.rules)
+            self.batch.until[b], self.batch.want[b] = slot.request.sampling.max_new_tokens, slot.request.speculate
             if slot.automaton is not None:
                 self._repack()
 
@@ -139,6 +147,11 @@ class EngineRows:
         table = self._table(slot)
         run = self.programs.prefill(len(tokens))
         self.batch.state, logits = run(self.params, self.batch.state, table, tokens, np.int32(start), np.int32(n - 1))
+        if self.batch.draft_pool is not None:  # the draft model reads the same chunk into its pool
+            spec = self.speculation
+            assert spec is not None and spec.draft is not None, "a draft pool comes with a draft model"
+            self.batch.draft_pool = self.programs.draft(len(tokens))(spec.draft[0], self.batch.draft_pool, table,
+                                                                     tokens, np.int32(start))  # fmt: skip
         slot.prefilled += n
         self.prefill_tokens += n
         self.pool.register(slot.blocks, slot.names, min(slot.prefilled // KEY_BLOCK, len(slot.names)))
@@ -154,31 +167,72 @@ class EngineRows:
         return True
 
     def decode(self, decoding: list[int]) -> None:
-        """One decode step over the decoding rows: each gets its token, and the rows that are done end."""
+        """One decode step over the decoding rows, or one speculative round (serving.speculation): each row gets
+        its token(s), and the rows that are done end."""
         slots = [(b, s) for b in decoding if (s := self.slots[b]) is not None]
-        run = self.programs.decode(max(decoding) + 1, any(s.request.sampling.top_logprobs for _, s in slots))
-        if run is None:  # not compiled yet (admission waits for it, so only after a failure): try again soon
-            time.sleep(0.01)
-            return
-        self.batch.state, out = run(self.params, self.batch.state, self.batch.rules)
+        top = any(s.request.sampling.top_logprobs for _, s in slots)
+        rows = max(decoding) + 1
+        t = time.perf_counter()
+        run = self._round(rows, top, [s.request for _, s in slots])
+        if run is not None:
+            spec = self.speculation
+            assert spec is not None, "a round runs only with speculation"
+            b = self.batch
+            b.state, b.draft_pool, out, kept = run(self.params, spec.draft_params, b.state, b.draft_pool, b.rules,
+                                                   b.until, b.want)  # fmt: skip
+            kept = np.asarray(kept)
+        else:
+            run = self.programs.decode(rows, top)
+            if run is None:  # not compiled yet (admission waits for it, so only after a failure): try again soon
+                time.sleep(0.01)
+                return
+            self.batch.state, out = run(self.params, self.batch.state, self.batch.rules)
+            out = jax.tree.map(lambda a: a[:, None], out)  # one token per row: Steps [rows, 1]
+            kept = np.ones(len(out.token), np.int32)
         token, logprob = np.asarray(out.token), np.asarray(out.logprob)
         top_ids, top_lp = np.asarray(out.top_ids), np.asarray(out.top_logprobs)
+        self._observe(rows, slots, kept, time.perf_counter() - t, token.shape[1] > 1)
         done = np.asarray(self.batch.state.done)
         ended: list[Ended] = []
         for b, slot in slots:
             n = slot.request.sampling.top_logprobs
-            slot.made += 1
-            self.generated_tokens += 1
-            tell(slot.request, "token", (int(token[b]), float(logprob[b]), top_ids[b, :n].tolist(),
-                                           top_lp[b, :n].tolist()))  # fmt: skip
-            hit = slot.stops.feed(0, [int(token[b])]) if slot.stops else None
-            if hit is not None:
-                ended.append((b, "done", ("stop", hit.stop)))
-            elif done[b]:
-                ended.append((b, "done", ("stop", None)))
-            elif slot.made >= slot.request.sampling.max_new_tokens:
-                ended.append((b, "done", ("length", None)))
+            for j in range(int(kept[b])):
+                slot.made += 1
+                self.generated_tokens += 1
+                tell(slot.request, "token", (int(token[b, j]), float(logprob[b, j]), top_ids[b, j, :n].tolist(),
+                                               top_lp[b, j, :n].tolist()))  # fmt: skip
+                hit = slot.stops.feed(0, [int(token[b, j])]) if slot.stops else None
+                if hit is not None:
+                    ended.append((b, "done", ("stop", hit.stop)))
+                    break
+            else:
+                if done[b]:
+                    ended.append((b, "done", ("stop", None)))
+                elif slot.made >= slot.request.sampling.max_new_tokens:
+                    ended.append((b, "done", ("length", None)))
         self.finish(ended)
+
+    def _round(self, rows: int, top: bool, requests: list[Request]) -> Any:
+        """The speculative round to run over rows [0, rows) now, or None for a plain step."""
+        if self.policy is None:
+            return None
+        run = self.programs.speculate(rows, top)
+        return run if run is not None and self.policy.choose(rows, requests) else None
+
+    def _observe(self, rows: int, slots: list[tuple[int, Slot]], kept: np.ndarray, seconds: float,
+                 speculated: bool) -> None:  # fmt: skip
+        """Tell the policy what the step took and kept; count a round's proposals."""
+        if self.policy is None:
+            return
+        size = next(r for r in self.programs.row_buckets() if r >= rows)
+        wanting = [(b, s) for b, s in slots if s.request.speculate]
+        if speculated:
+            k = self.policy.k
+            self.proposed += k * len(wanting)
+            self.accepted += sum(int(kept[b]) - 1 for b, _ in wanting)
+        self.policy.observe(
+            size, speculated, seconds, {id(s.request): int(kept[b]) for b, s in wanting} if speculated else {}
+        )
 
     def finish(self, ended: list[Ended]) -> None:
         """End rows: halt them, free their blocks (named ones stay cached), tell their requests."""
@@ -196,6 +250,8 @@ class EngineRows:
         self.batch.state = self.programs.stop_rows()(self.batch.state, mask, np.int32(self.batch.filler))
         for slot in slots:
             self.pool.release(slot.blocks, slot.names)
+            if self.policy is not None:
+                self.policy.forget(slot.request)
         if any(s.automaton is not None for s in slots):
             self._repack()
         for slot, (_, kind, payload) in zip(slots, ended):

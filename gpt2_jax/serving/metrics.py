@@ -114,6 +114,16 @@ class Metrics:
             ("prefix_cache_hit_tokens", "prompt tokens taken from the prefix cache", stats["prefix_hit_tokens"]),
             ("prefix_cache_evictions", "cached KV blocks evicted for room", stats["prefix_evictions"]),
             (
+                "speculative_proposed_tokens",
+                "tokens proposed by speculative decoding (k per row per round)",
+                stats["speculative_proposed"],
+            ),
+            (
+                "speculative_accepted_tokens",
+                "proposed tokens kept (each the token plain decoding draws there)",
+                stats["speculative_accepted"],
+            ),
+            (
                 "xla_compiles",
                 "programs XLA compiled in this process since the API started (0 new once warm)",
                 self.compiles.programs,

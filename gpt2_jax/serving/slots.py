@@ -45,6 +45,7 @@ class Request:
     cancelled: bool = False
     prepared: Any = None  # generate's preparation of it (Engine.check), made once per row
     seed: int | None = None  # informational: the seed the key was made from, when there is one
+    speculate: bool = True  # on a server with speculative decoding: whether this request's rows take part
     arrived: float = dataclasses.field(default_factory=time.perf_counter)
 
     def cancel(self) -> None:
