@@ -11,7 +11,7 @@ here gives generate's tokens and logprobs bit for bit.
 A row that is not decoding (free, or its prompt still going in) is halted and its table points at the null block
 only: the decode steps feed it a filler token whose K/V land in the null block, never in a block a row owns.
 
-Shape legend: B rows, M blocks per row, N blocks in the pool, C slots per block, S = M x C, T chunk tokens, V vocab.
+Shape legend: B rows, P prompts in one chunk, M blocks per row, N blocks in the pool, C slots per block, S = M x C, T chunk tokens, V vocab.
 """
 
 from __future__ import annotations
@@ -53,26 +53,27 @@ def init_paged(config: GPT2Config, rows: int, num_blocks: int, blocks_per_row: i
                        zero() + filler, zero(), history, zero())  # fmt: skip
 
 
-def fill_chunk(params: Params, pool: PagedKVCache, table: Int[Array, " M"], tokens: Int[Array, " T"],
-               start: Int[Array, ""], last: Int[Array, ""],
-               config: GPT2Config) -> tuple[PagedKVCache, Float[Array, " V"]]:  # fmt: skip
-    """Tokens [T] of one prompt into slots [start, start + T) of the row whose blocks are table [M], in `pool`
-    (a model's blocks: the target's, or a draft model's own pool under the same tables) -> (pool, logits [V] of
-    chunk token `last`)."""
-    cache = PagedKVCache(pool.k, pool.v, table[None], start[None])
-    logits, cache = forward_cached(params, tokens[None], cache, config, last=last[None])
-    return pool._replace(k=cache.k, v=cache.v), logits[0, 0]
+def fill_chunk(params: Params, pool: PagedKVCache, tables: Int[Array, "P M"], tokens: Int[Array, "P T"],
+               start: Int[Array, " P"], last: Int[Array, " P"],
+               config: GPT2Config) -> tuple[PagedKVCache, Float[Array, "P V"]]:  # fmt: skip
+    """A chunk of tokens [P, T] of each of P prompts into slots [start, start + T) of the row whose blocks are
+    tables[p], in `pool` (a model's blocks: the target's, or a draft model's own pool under the same tables) ->
+    (pool, logits [P, V] of each chunk's token `last`). A row whose table holds only the null block is padding."""
+    cache = PagedKVCache(pool.k, pool.v, tables, start)
+    logits, cache = forward_cached(params, tokens, cache, config, last=last)
+    return pool._replace(k=cache.k, v=cache.v), logits[:, 0]
 
 
 @functools.partial(jax.jit, static_argnames="config", donate_argnames="state")
-def prefill_chunk(params: Params, state: DecodeState, table: Int[Array, " M"], tokens: Int[Array, " T"],
-                  start: Int[Array, ""], last: Int[Array, ""],
-                  config: GPT2Config) -> tuple[DecodeState, Float[Array, " V"]]:  # fmt: skip
-    """Tokens [T] of one prompt into slots [start, start + T) of the row whose blocks are table [M] (written in
-    place in the state's pool, donated) -> (state, logits [V] of chunk token `last`). Slots before `start` already
-    hold the prompt's earlier tokens (earlier chunks, or shared blocks); tokens past the prompt (a chunk's padding)
-    land in slots the row overwrites before it reads them, or in the null block."""
-    pool, logits = fill_chunk(params, _pool(state), table, tokens, start, last, config)
+def prefill_chunk(params: Params, state: DecodeState, tables: Int[Array, "P M"], tokens: Int[Array, "P T"],
+                  start: Int[Array, " P"], last: Int[Array, " P"],
+                  config: GPT2Config) -> tuple[DecodeState, Float[Array, "P V"]]:  # fmt: skip
+    """Chunks [P, T] of P prompts, each into slots [start, start + T) of the row whose blocks are tables[p]
+    (written in place in the state's pool, donated) -> (state, logits [P, V] of each chunk's token `last`). Slots
+    before `start` already hold the prompt's earlier tokens (earlier chunks, or shared blocks); tokens past the
+    prompt (a chunk's padding) land in slots the row overwrites before it reads them, or in the null block. A
+    row's K/V and logits are the same bits whatever the other rows of the chunk (the model's batch invariance)."""
+    pool, logits = fill_chunk(params, _pool(state), tables, tokens, start, last, config)
     return state._replace(cache=pool), logits
 
 

@@ -2,7 +2,8 @@
 
 EnginePrograms is the Engine's registry of programs (held by the Engine, not mixed into it). Each program has a
 named method that gives its compiled callable:
-  prefill(T)           one prompt chunk of T tokens (T: 16, 32, ... up to prefill_chunk)
+  prefill(T)           one prompt chunk of T tokens (T: 16, 32, ... up to prefill_chunk; while no row decodes, up
+                       to IDLE_CHUNK where built: idle_chunk)
   decode(R, top)       the smallest built decode step over rows [0, R) (R: 2, 8, 32, ... and max_batch)
   speculate(R, top)    with speculation: the smallest built speculative round over rows [0, R)
   draft(T)             with a draft model: one prompt chunk of T tokens into the draft's pool
@@ -28,10 +29,12 @@ from gpt2_jax.generation.paged import decode_rows, prefill_chunk, start_row, sto
 from gpt2_jax.generation.speculative.paged import draft_chunk, speculate_rows
 from gpt2_jax.model import Params
 from gpt2_jax.sampling.checks import MAX_TOP_LOGPROBS
+from gpt2_jax.serving.chunking import PROMPTS_PER_STEP, ROWS_PER_CHUNK
 from gpt2_jax.serving.programs import Programs
 from gpt2_jax.serving.slots import Request, set_automaton
 
 ROW_BUCKETS = (2, 8, 32, 128, 512)  # decode-step sizes: a lone stream never pays for 32 rows
+IDLE_CHUNK = 256  # the largest prompt chunk while no row decodes (nobody waits for it), where it is built
 I32 = jax.ShapeDtypeStruct((), jnp.int32)
 Compiled = jax.stages.Compiled
 
@@ -72,9 +75,14 @@ class EnginePrograms:
         self.compiler = Programs(on_built)
 
     # ---- the programs the engine runs ------------------------------------------------------------
-    def prefill(self, T: int) -> Compiled:
-        """generation.prefill_chunk: T prompt tokens of one row into its blocks."""
-        return self._now(self.want_prefill(T, priority=-1.0))
+    def prefill(self, T: int, P: int = 1) -> Compiled:
+        """generation.prefill_chunk: T prompt tokens of each of P rows into their blocks."""
+        return self._now(self.want_prefill(T, priority=-1.0, P=P))
+
+    def prefill_built(self, T: int, P: int) -> bool:
+        """Whether the chunk of P rows x T tokens is built, with its draft chunk when there is a draft."""
+        names = [_prefill_name("prefill", P, T)] + ([_prefill_name("draft", P, T)] if self._drafting() else [])
+        return all(self.compiler.get(n) is not None for n in names)
 
     def decode(self, rows: int, top: bool) -> Compiled | None:
         """generation.decode_rows for rows [0, rows): the smallest built step that covers them (with top logprobs
@@ -90,9 +98,18 @@ class EnginePrograms:
             self.want_speculate(next(r for r in self.row_buckets() if r >= rows), top)
         return None if name is None else self.compiler.get(name)
 
-    def draft(self, T: int) -> Compiled:
-        """generation.speculative.paged.draft_chunk: T prompt tokens of one row into the draft model's pool."""
-        return self._now(self.want_draft(T, priority=-1.0))
+    def idle_chunk(self, left: int) -> int | None:
+        """The chunk size for a prompt with `left` tokens to go while no row decodes: the bucket covering them up
+        to IDLE_CHUNK if its programs are built (they are built in the background), else None."""
+        T = bucket(min(left, self.idle_cap()), self.idle_cap())
+        return T if self.prefill_built(T, 1) else None
+
+    def idle_cap(self) -> int:
+        return max(self.shapes.prefill_chunk, min(IDLE_CHUNK, bucket(self.shapes.max_seq, self.shapes.max_seq)))
+
+    def draft(self, T: int, P: int = 1) -> Compiled:
+        """generation.speculative.paged.draft_chunk: T prompt tokens of each of P rows into the draft's pool."""
+        return self._now(self.want_draft(T, priority=-1.0, P=P))
 
     def start_row(self) -> Compiled:
         """generation.start_row: a prefilled row joins the decode steps."""
@@ -121,12 +138,11 @@ class EnginePrograms:
         return named(*min(built)) if built else None
 
     # ---- asking for them: each want_ queues a build unless it is built or queued, and returns its name --------
-    def want_prefill(self, T: int, priority: float = 1.0) -> Name:
-        s, tokens = self.shapes, jax.ShapeDtypeStruct((T,), jnp.int32)
-        table = jax.ShapeDtypeStruct((s.blocks_per_row,), jnp.int32)
-        build = lambda: prefill_chunk.lower(s.params, s.state, table, tokens, I32, I32, s.config).compile()
-        self.compiler.want(Name("prefill", T), build, priority)
-        return Name("prefill", T)
+    def want_prefill(self, T: int, priority: float = 1.0, P: int = 1) -> Name:
+        s, (tables, tokens, rows) = self.shapes, _chunk_shapes(self.shapes, P, T)
+        build = lambda: prefill_chunk.lower(s.params, s.state, tables, tokens, rows, rows, s.config).compile()
+        self.compiler.want(_prefill_name("prefill", P, T), build, priority)
+        return _prefill_name("prefill", P, T)
 
     def want_decode(self, rows: int, top: bool = False, priority: float = 1.0) -> Name:
         s, r = self.shapes, MAX_TOP_LOGPROBS if top else 0
@@ -143,14 +159,12 @@ class EnginePrograms:
         self.compiler.want(_speculate_name(rows, top), build, priority)
         return _speculate_name(rows, top)
 
-    def want_draft(self, T: int, priority: float = 1.0) -> Name:
-        s, tokens = self.shapes, jax.ShapeDtypeStruct((T,), jnp.int32)
-        table = jax.ShapeDtypeStruct((s.blocks_per_row,), jnp.int32)
-        spec = s.speculation
-        build = lambda: draft_chunk.lower(spec.draft_params, s.draft_pool, table, tokens, I32,
+    def want_draft(self, T: int, priority: float = 1.0, P: int = 1) -> Name:
+        s, (tables, tokens, rows), spec = self.shapes, _chunk_shapes(self.shapes, P, T), self.shapes.speculation
+        build = lambda: draft_chunk.lower(spec.draft_params, s.draft_pool, tables, tokens, rows,
                                           spec.draft_config).compile()  # fmt: skip
-        self.compiler.want(Name("draft", T), build, priority)
-        return Name("draft", T)
+        self.compiler.want(_prefill_name("draft", P, T), build, priority)
+        return _prefill_name("draft", P, T)
 
     def _want_row(self, name: Name, priority: float) -> Name:
         self.compiler.want(name, _row_builds(self.shapes)[name], priority)
@@ -180,12 +194,16 @@ class EnginePrograms:
     def compile(self, wait: bool = True, timeout: float | None = None) -> list[Name]:
         """Queue every program the engine can need, the essential ones first, then larger decode steps and chunks,
         then the decode steps with top logprobs; with wait, block until they are built. Returns their names."""
-        wants = self._essential()
+        s, wants = self.shapes, self._essential()
         wants += [functools.partial(self.want_decode, r, False) for r in self.row_buckets()[1:]]
         wants += [functools.partial(self.want_prefill, t) for t in self.chunk_buckets()[1:]]
         wants += [functools.partial(self.want_decode, r, True) for r in self.row_buckets()]
-        if self.shapes.speculation is not None:
-            wants += [functools.partial(self.want_draft, t) for t in self.chunk_buckets() if self._drafting()]
+        wants += [functools.partial(self.want_prefill, t) for t in self.idle_buckets()]
+        wants += [functools.partial(self.want_prefill, s.prefill_chunk, P=p) for p in self.prompt_buckets()]
+        if self._drafting():
+            wants += [functools.partial(self.want_draft, t) for t in self.chunk_buckets() + self.idle_buckets()]
+            wants += [functools.partial(self.want_draft, s.prefill_chunk, P=p) for p in self.prompt_buckets()]
+        if s.speculation is not None:
             wants += [
                 functools.partial(self.want_speculate, r, top) for top in (False, True) for r in self.row_buckets()
             ]
@@ -231,6 +249,15 @@ class EnginePrograms:
         chunk = self.shapes.prefill_chunk
         return sorted({bucket(n, chunk) for n in range(1, chunk + 1)})
 
+    def prompt_buckets(self) -> list[int]:
+        """The batched chunk sizes (prompts per chunk, past 1) that max_batch rows can use (serving.chunking)."""
+        return [p for p in PROMPTS_PER_STEP if 1 < p and p * ROWS_PER_CHUNK <= self.shapes.max_batch]
+
+    def idle_buckets(self) -> list[int]:
+        """The chunk sizes past prefill_chunk that a prompt takes while no row decodes (idle_chunk)."""
+        cap = self.idle_cap()
+        return sorted({bucket(n, cap) for n in range(self.shapes.prefill_chunk + 1, cap + 1)})
+
     def buckets(self) -> list[int]:
         """The prompt buckets of whole-prompt scoring (echo with logprobs): powers of two from 16 to max_seq's."""
         return sorted({bucket(n, self.shapes.config.n_positions) for n in range(1, self.shapes.max_seq + 1)})
@@ -249,6 +276,17 @@ class EnginePrograms:
 
     def close(self) -> None:
         self.compiler.close()
+
+
+def _prefill_name(kind: str, P: int, T: int) -> Name:
+    """("prefill", 32) for one row's chunk, ("prefill x4", 32) for four rows' chunks of 32 tokens."""
+    return Name(kind if P == 1 else f"{kind} x{P}", T)
+
+
+def _chunk_shapes(s: Shapes, P: int, T: int) -> tuple:
+    """A chunk's tables [P, M], tokens [P, T] and per-row ints [P] (start, last), as ShapeDtypeStructs."""
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    return i32(P, s.blocks_per_row), i32(P, T), i32(P)
 
 
 def _decode_name(rows: int, top: bool) -> Name:

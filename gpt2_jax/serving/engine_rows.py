@@ -18,11 +18,11 @@ import jax
 import numpy as np
 
 from gpt2_jax.config import GPT2Config
-from gpt2_jax.generation.batching import bucket
 from gpt2_jax.generation.chunks import token_bytes
 from gpt2_jax.generation.stop_strings import StopMatcher
 from gpt2_jax.model import Params
 from gpt2_jax.model.attention import KEY_BLOCK
+from gpt2_jax.serving import chunking
 from gpt2_jax.serving.batch import DeviceBatch
 from gpt2_jax.serving.blocks import BlockPool
 from gpt2_jax.serving.engine_checks import automaton
@@ -133,38 +133,43 @@ class EngineRows:
         return table
 
     def prefill(self) -> bool:
-        """One chunk of the prompt admitted first among those still going in; False when none is."""
-        waiting = [(s.order, b) for b, s in enumerate(self.slots) if s is not None and not s.decoding]
-        if not waiting:
+        """Put the next prompt chunk(s) in (serving.chunking: which prompts, how many tokens); False when no
+        prompt is going in."""
+        order = sorted((s.order, b) for b, s in enumerate(self.slots) if s is not None and not s.decoding)
+        if not order:
             return False
-        b = min(waiting)[1]
-        slot = self.slots[b]
-        assert slot is not None, "a waiting row is busy"
-        prompt, start = slot.request.prompt, slot.prefilled
-        n = min(len(prompt) - start, self.prefill_chunk)
-        tokens = np.full(bucket(n, self.prefill_chunk), prompt[start + n - 1], np.int32)  # padding: a real token
-        tokens[:n] = prompt[start : start + n]
-        table = self._table(slot)
-        run = self.programs.prefill(len(tokens))
-        self.batch.state, logits = run(self.params, self.batch.state, table, tokens, np.int32(start), np.int32(n - 1))
-        if self.batch.draft_pool is not None:  # the draft model reads the same chunk into its pool
+        slots = {b: s for _, b in order if (s := self.slots[b]) is not None}
+        waiting = [(b, s.request.prompt, s.prefilled) for b, s in slots.items()]
+        P, T = chunking.plan(waiting, sum(s.decoding for s in self.active()), self.prefill_chunk, self.programs)
+        c = chunking.build(waiting, [self._table(s) for s in slots.values()], P, T)
+        self.batch.state, logits = self.programs.prefill(T, P)(self.params, self.batch.state, c.tables, c.tokens,
+                                                               c.start, c.taken - 1)  # fmt: skip
+        if self.batch.draft_pool is not None:  # the draft model reads the same chunks into its pool
             spec = self.speculation
             assert spec is not None and spec.draft is not None, "a draft pool comes with a draft model"
-            self.batch.draft_pool = self.programs.draft(len(tokens))(spec.draft[0], self.batch.draft_pool, table,
-                                                                     tokens, np.int32(start))  # fmt: skip
-        slot.prefilled += n
-        self.prefill_tokens += n
-        self.pool.register(slot.blocks, slot.names, min(slot.prefilled // KEY_BLOCK, len(slot.names)))
-        if slot.prefilled == len(prompt):
-            padded = np.full(self.capacity, prompt[-1], np.int32)
-            padded[: len(prompt)] = prompt
-            key = slot.request.prepared.batch.keys[0]
-            self.batch.state = self.programs.start_row()(
-                self.batch.state, np.int32(b), table, padded, np.int32(len(prompt)), logits, key,
-                np.int32(self.batch.start_state(b)),
-            )  # fmt: skip
-            slot.decoding = True
+            self.batch.draft_pool = self.programs.draft(T, P)(spec.draft[0], self.batch.draft_pool, c.tables,
+                                                              c.tokens, c.start)  # fmt: skip
+        logits = np.asarray(logits)  # on the host, a row of it is a view: slicing the device array would compile
+        for i, b in enumerate(c.rows):
+            slot = slots[b]
+            slot.prefilled += int(c.taken[i])
+            self.prefill_tokens += int(c.taken[i])
+            self.pool.register(slot.blocks, slot.names, min(slot.prefilled // KEY_BLOCK, len(slot.names)))
+            if slot.prefilled == len(slot.request.prompt):
+                self._start(b, slot, c.tables[i], logits[i])
         return True
+
+    def _start(self, b: int, slot: Slot, table: np.ndarray, logits: Any) -> None:
+        """Row b's prompt is in: it joins the decode steps."""
+        prompt = slot.request.prompt
+        padded = np.full(self.capacity, prompt[-1], np.int32)
+        padded[: len(prompt)] = prompt
+        key = slot.request.prepared.batch.keys[0]
+        self.batch.state = self.programs.start_row()(
+            self.batch.state, np.int32(b), table, padded, np.int32(len(prompt)), logits, key,
+            np.int32(self.batch.start_state(b)),
+        )  # fmt: skip
+        slot.decoding = True
 
     def decode(self, decoding: list[int]) -> None:
         """One decode step over the decoding rows, or one speculative round (serving.speculation): each row gets
@@ -187,7 +192,7 @@ class EngineRows:
                 time.sleep(0.01)
                 return
             self.batch.state, out = run(self.params, self.batch.state, self.batch.rules)
-            out = jax.tree.map(lambda a: a[:, None], out)  # one token per row: Steps [rows, 1]
+            out = jax.tree.map(lambda a: np.asarray(a)[:, None], out)  # one token per row: Steps [rows, 1], on the host
             kept = np.ones(len(out.token), np.int32)
         token, logprob = np.asarray(out.token), np.asarray(out.logprob)
         top_ids, top_lp = np.asarray(out.top_ids), np.asarray(out.top_logprobs)

@@ -11,7 +11,7 @@ overwrites before it reads them, as a chunk's padding does.
 Per row: `until` [B], the row's max_new_tokens (a round never keeps a token past it), and `want` [B], whether the
 row speculates at all (a row that does not keeps one token per round, the one plain decoding draws).
 
-Shape legend: B rows, M blocks per row, T chunk tokens, k proposals, R top-logprob entries.
+Shape legend: B rows, P prompts in one chunk, M blocks per row, T chunk tokens, k proposals, R top-logprob entries.
 """
 
 from __future__ import annotations
@@ -41,11 +41,11 @@ def init_draft_pool(draft_config: GPT2Config, num_blocks: int, dtype=jnp.float32
 
 
 @functools.partial(jax.jit, static_argnames="draft_config", donate_argnames="pool")
-def draft_chunk(draft_params: Params, pool: DraftPool, table: Int[Array, " M"], tokens: Int[Array, " T"],
-                start: Int[Array, ""], draft_config: GPT2Config) -> DraftPool:  # fmt: skip
-    """A prompt chunk [T] into the draft's pool, at the slots the target's chunk fills (donated, in place)."""
-    paged = PagedKVCache(pool[0], pool[1], table[None], start[None])
-    paged, _ = fill_chunk(draft_params, paged, table, tokens, start, jnp.int32(0), draft_config)
+def draft_chunk(draft_params: Params, pool: DraftPool, tables: Int[Array, "P M"], tokens: Int[Array, "P T"],
+                start: Int[Array, " P"], draft_config: GPT2Config) -> DraftPool:  # fmt: skip
+    """Prompt chunks [P, T] into the draft's pool, at the slots the target's chunks fill (donated, in place)."""
+    paged = PagedKVCache(pool[0], pool[1], tables, start)
+    paged, _ = fill_chunk(draft_params, paged, tables, tokens, start, jnp.zeros_like(start), draft_config)
     return paged.k, paged.v
 
 
