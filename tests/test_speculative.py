@@ -23,6 +23,7 @@ from tests.reference import make_hf_model, saved_and_loaded
 SHAPE = dict(n_layer=2, n_head=3, n_embd=48, vocab_size=101, n_positions=96)
 PROMPTS = [[5, 17, 0, 42, 9, 5, 17, 0], [7], [99, 3, 3, 3, 70, 0, 12, 8, 64, 2, 50, 7, 30, 11, 4]]  # ragged, B=3
 N, K = 27, 3  # the last round of k + 1 = 4 tokens is cut by max_new_tokens
+ROUNDS = -(-N // (K + 1))  # a perfect draft's rounds: each keeps k + 1 tokens
 NEVER = 100  # the always-wrong draft proposes only this id, which every run bans (bad_words_ids)
 
 
@@ -96,7 +97,10 @@ def plain(target):
 def test_every_setting_equals_plain_decoding_bit_for_bit(target, drafts, plain, name):
     plain, eos = plain
     for s, kw in SETTINGS.items():
-        assert_same(run(target, kw, drafts[name]), plain[s])
+        spec = run(target, kw, drafts[name])
+        assert_same(spec, plain[s])
+        if name == "perfect":  # the coupled draw: the target's own draw on the same logits, sampled or not
+            assert (spec.accepted == N - ROUNDS).all() and (spec.proposed == K * ROUNDS).all(), s
     spec = run(target, SETTINGS["greedy"], drafts[name], eos=eos)
     assert_same(spec, plain["eos"])
     if name == "perfect":  # row 0's EOS is the second proposal of its second round, accepted mid-round
@@ -107,13 +111,26 @@ def test_every_setting_equals_plain_decoding_bit_for_bit(target, drafts, plain, 
 
 def test_statistics_follow_the_draft(target, drafts):
     perfect = run(target, SETTINGS["greedy"], drafts["perfect"])
-    rounds = -(-N // (K + 1))  # every round keeps k + 1 tokens
-    assert (perfect.proposed == K * rounds).all() and (perfect.accepted == N - rounds).all()
+    assert (perfect.proposed == K * ROUNDS).all() and (perfect.accepted == N - ROUNDS).all()
     wrong = run(target, SETTINGS["greedy"], drafts["wrong"])
     assert (wrong.accepted == 0).all()
     copy = [list(range(10, 30)) * 2]  # the model continues copying? lookup proposes the copy either way
     lookup = run(target, SETTINGS["greedy"], "prompt_lookup", prompts=copy)
     assert lookup.accepted[0] > 0 and lookup.proposed[0] == K * (N - lookup.accepted[0])
+
+
+def test_a_near_copy_draft_is_accepted_under_sampling(target, plain):
+    """The target with 0.3% noise on every weight (total variation ~0.2% per token) as the draft, at
+    temperature 1: its coupled draws differ from the target's only where the two CDFs straddle the
+    shared uniform. This random model's most likely token has p < 0.07, so argmax proposals would be
+    kept about 7% of the time."""
+    _, params, config = target
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    noisy = jax.tree.unflatten(tree, [x * (1 + 3e-3 * jax.random.normal(k, x.shape)) for x, k in zip(leaves, keys)])
+    spec = run(target, SETTINGS["sampled"], (noisy, config))
+    assert_same(spec, plain[0]["sampled"])
+    assert spec.accepted.sum() >= 0.9 * (N - ROUNDS) * len(PROMPTS), (spec.accepted, spec.proposed)
 
 
 def test_a_row_is_the_same_alone_and_in_any_batch(target, drafts):

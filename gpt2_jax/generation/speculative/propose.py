@@ -4,8 +4,19 @@
   prompt lookup   the continuation of the most recent earlier occurrence of the row's last n tokens
                   (n = 3, then 2, then 1) in its prompt + output: free, and right whenever the text
                   copies itself (code edits, quotes, summaries, repetition).
-  draft model     a smaller model with the same vocabulary, decoding greedily from its own KV cache,
-                  which follows the target's accepted tokens (positions line up slot for slot).
+  draft model     a smaller model with the same vocabulary, run from its own KV cache (which follows
+                  the target's accepted tokens: positions line up slot for slot), each proposal drawn
+                  with the coupled draw below.
+
+The coupled draw: the draft draws d_j exactly as verification will draw x_j at that position, the
+same key fold_in(row_key, p + j), settings, processors over the history extended by d_1..d_{j-1}, and
+constraint automaton advanced by them (decode.draw on the draft's logits). The draw is an inverse CDF
+over token ids with that key's one uniform u, so both pick the first id whose cumulative probability
+exceeds u: they differ only when u falls between the draft's and the target's CDF at some id. That
+is rare when the kept mass sits on a few tokens (top-k, top-p, a confident model), since each CDF gap
+is at most the total variation; over a flat distribution on many ids the gaps at every id add up, and
+the draws agree far less often. Greedy rows (no uniform) get the argmax of the processed draft logits.
+An argmax proposal would instead be kept only when the target happens to sample its own argmax.
 
 Shape legend: B rows, S cache slots, k proposed tokens, V vocab.
 """
@@ -18,13 +29,13 @@ import jax
 import jax.numpy as jnp
 
 from gpt2_jax.config import GPT2Config
+from gpt2_jax.generation.decode import DecodeState, Rules, draw
 from gpt2_jax.model.gpt2 import forward_cached
 from gpt2_jax.model.kv_cache import KVCache
 from gpt2_jax.model.params import Params
-from gpt2_jax.sampling.draw import argmax
 
 if TYPE_CHECKING:  # shapes as annotations only: jaxtyping is not a runtime dependency
-    from jaxtyping import Array, Int
+    from jaxtyping import Array, Float, Int
 
 LOOKUP_NGRAM = 3  # prompt lookup matches the last 3 tokens, else the last 2, else the last 1
 
@@ -67,29 +78,43 @@ def draft_prefill(
     return cache._replace(lengths=lengths)
 
 
+def coupled_draw(
+    state: DecodeState, rules: Rules, logits: Float[Array, "B V"], position: Int[Array, " B"], n_valid: int
+) -> tuple[DecodeState, Int[Array, " B"]]:
+    """The draw the target makes at `position` [B] (its key, settings, processors, automaton, from
+    `state`'s keys, history, automaton and counts), made on the draft's logits [B, V] -> (state with
+    the token recorded, token [B]). The state carries no cache; its logits are left as they were."""
+    view = state._replace(logits=logits, cache=KVCache(None, None, position))  # pyright: ignore[reportArgumentType]
+    drawn, step = draw(view, rules, n_valid)
+    return drawn._replace(logits=state.logits, cache=None), step.token
+
+
 def draft_propose(
     draft_params: Params,
     cache: KVCache,
+    state: DecodeState,
+    rules: Rules,
     prev: Int[Array, " B"],
     token: Int[Array, " B"],
-    start: Int[Array, " B"],
     k: int,
     draft_config: GPT2Config,
 ) -> tuple[Int[Array, "B k"], KVCache]:
-    """The draft's k greedy tokens [B, k] after the row's accepted tokens, ending (prev at slot start,
-    token at start + 1). prev is fed again each round: its slot may hold a proposal the target did
-    not take or nothing yet (when the previous round's k proposals were all accepted), and feeding
-    the same token at the same slot again writes the same K/V. Slots past start + k hold stale
-    guesses that the cache's lengths mask."""
-    logits, cache = forward_cached(draft_params, jnp.stack([prev, token], 1), cache._replace(lengths=start),
-                                   draft_config, last=jnp.ones_like(start))  # fmt: skip
-    first = argmax(logits[:, 0, : draft_config.valid_vocab])
+    """The draft's k coupled draws [B, k] after the row's accepted tokens, ending (prev at slot p - 1,
+    token at p), p = state.cache.lengths [B]: `state` is the decode state once `token` is drawn at p
+    (its history, counts and automaton hold it), so d_j is drawn at p + j. prev is fed again each
+    round: its slot may hold a proposal the target did not take or nothing yet (when the previous
+    round's k proposals were all accepted), and feeding the same token at the same slot again writes
+    the same K/V. Slots past p + k hold stale guesses that the cache's lengths mask."""
+    p, nv = state.cache.lengths, draft_config.valid_vocab
+    logits, cache = forward_cached(draft_params, jnp.stack([prev, token], 1), cache._replace(lengths=p - 1),
+                                   draft_config, last=jnp.ones_like(p))  # fmt: skip
+    s, first = coupled_draw(state._replace(cache=None), rules, logits[:, 0], p + 1, nv)  # the scan carries no cache
 
-    def step(carry, _):
-        cache, tok = carry
+    def step(carry, j):
+        cache, s, tok = carry
         logits, cache = forward_cached(draft_params, tok[:, None], cache, draft_config)
-        nxt = argmax(logits[:, 0, : draft_config.valid_vocab])
-        return (cache, nxt), nxt
+        s, nxt = coupled_draw(s, rules, logits[:, 0], p + j, nv)
+        return (cache, s, nxt), nxt
 
-    (cache, _), rest = jax.lax.scan(step, (cache, first), None, length=k - 1)
+    (cache, _, _), rest = jax.lax.scan(step, (cache, s, first), jnp.arange(2, k + 1, dtype=jnp.int32))
     return jnp.concatenate([first[:, None], rest.T], axis=1), cache

@@ -3,7 +3,8 @@ decoding draws.
 
 One round, for each row at position p (its cache holds p tokens, its logits are for position p):
   1. draw t0 at p from the row's logits, exactly as decode.draw does in plain decoding;
-  2. propose d1..dk to follow t0 (gpt2_jax.generation.speculative.propose);
+  2. propose d1..dk to follow t0 (gpt2_jax.generation.speculative.propose; a draft model draws d_j
+     with the very draw of step 4, on its own logits, so it agrees with x_j wherever it can);
   3. feed [t0, d1..dk] at slots p..p+k in one cached forward: logits L0..Lk for positions p+1..p+k+1,
      each bit-identical to what one-token decode steps would give (the cache's invariance);
   4. for j = 1..k, draw x_j at p+j from L_{j-1} with the row's own key fold_in(key, p+j), settings,
@@ -75,7 +76,7 @@ def speculate_round(params: Params, draft_params: Params | None, state: DecodeSt
     else:
         assert draft_params is not None and dcache is not None, "a draft model comes with its params and cache"
         prev = s.history.history[rows, base - 1]
-        guess, dcache = draft_propose(draft_params, dcache, prev, step0.token, base - 1, k, draft_config)
+        guess, dcache = draft_propose(draft_params, dcache, s, rules, prev, step0.token, k, draft_config)
     logits, cache = forward_cached(params, jnp.concatenate([step0.token[:, None], guess], 1), state.cache, config,
                                    hooks=hooks)  # fmt: skip
 
