@@ -96,6 +96,14 @@ def serve_parser(serve: argparse.ArgumentParser, cache_arg) -> None:
         default=2,
         help="constraints compiled at once, each in its own process (a cheap one waits only while all are busy)",
     )
+    add(
+        "--chat-template",
+        default=None,
+        metavar="FILE",
+        help="the Jinja template (HuggingFace's chat_template convention: messages, add_generation_prompt, "
+        "bos_token, eos_token) that turns /v1/chat/completions' messages into a prompt (default: the "
+        "chat_template of the model's tokenizer_config.json; without either, chat requests get a 400)",
+    )
     add("--no-playground", action="store_true", help="serve no page at / (the API only)")
     add("--allocator", choices=["auto", "jemalloc", "glibc"], default="auto",
         help="the process's malloc: auto runs on jemalloc where it is installed (libjemalloc2), whose RSS stays "
