@@ -23,7 +23,7 @@ from pathlib import Path
 # The longest files (seconds on the 2-core CI machine, one at a time), started first so that no long
 # file starts last; the rest follow in name order.
 LONGEST = ["test_notebooks.py", "test_soak.py", "test_beam.py", "test_rl_loop.py", "test_sharding.py", "test_sampling.py",
-           "test_multihost.py", "test_cli.py", "test_serve.py", "test_invariance.py", "test_speculative.py",
+           "test_multihost.py", "test_cli.py", "test_serve.py", "test_serve_chat.py", "test_invariance.py", "test_speculative.py",
            "test_train.py", "test_nnx.py", "test_rl_scoring.py", "test_stops_and_constraints.py", "test_hostile.py"]  # fmt: skip
 
 

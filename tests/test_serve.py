@@ -446,6 +446,14 @@ def test_errors_are_openai_shaped_with_their_status(server):
     assert plain(client.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=3, seed=1))[0]["text"]
 
 
+def test_chat_without_a_template_is_a_400_naming_the_flag(server):
+    """The bundled model has no tokenizer_config.json chat_template and this server no --chat-template."""
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}])
+    assert "--chat-template" in e.value.body["message"] and e.value.body["code"] == "no_chat_template"
+    assert server.logged(r"no chat template: /v1/chat/completions answers 400"), server.log()
+
+
 def test_a_huge_or_bad_constraint_is_a_400_naming_the_limit(server):
     """a{100000} would take outlines-core minutes (and, in the server's process, hold the GIL all that time):
     its size is estimated first, and the 400 names the limit."""
@@ -493,6 +501,12 @@ def test_the_openapi_document_describes_what_the_server_answers(server):
     assert {"400", "401", "404", "429", "503"} <= set(op["responses"]) and "422" not in op["responses"]
     assert op["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/CompletionRequest")
     assert "stream_options" in doc["components"]["schemas"]["CompletionRequest"]["properties"]
+    chat = doc["paths"]["/v1/chat/completions"]["post"]
+    assert chat["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/ChatRequest")
+    assert {"400", "401", "404", "429", "503"} <= set(chat["responses"]) and "422" not in chat["responses"]
+    for body in ("CompletionRequest", "ChatRequest"):  # vLLM's extras, documented on both
+        assert {"ignore_eos", "stop_token_ids", "skip_special_tokens", "max_completion_tokens"} <= set(
+            doc["components"]["schemas"][body]["properties"])  # fmt: skip
     assert list(doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
     req = urllib.request.Request(server.url + "/health", method="DELETE")
     with pytest.raises(urllib.error.HTTPError) as e:

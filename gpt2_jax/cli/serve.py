@@ -85,13 +85,18 @@ def run_serve(args: argparse.Namespace) -> int:
     import time
 
     try:
+        import jinja2  # noqa: F401  (chat templates)
         import uvicorn
 
+        from gpt2_jax.serving import chat_template
         from gpt2_jax.serving.api import create_app
         from gpt2_jax.serving.limits import header_timeout
     except ImportError as e:
-        raise GPT2JaxError(f"gpt2-jax serve needs fastapi and uvicorn: pip install 'gpt2-jax[serve]' ({e})") from None
+        raise GPT2JaxError(
+            f"gpt2-jax serve needs fastapi, uvicorn and jinja2: pip install 'gpt2-jax[serve]' ({e})"
+        ) from None
 
+    from gpt2_jax.checkpoints import BUNDLED_MODEL, resolve_model
     from gpt2_jax.model.attention import KEY_BLOCK
     from gpt2_jax.model.paged_cache import pool_bytes
     from gpt2_jax.model.params import float_dtype
@@ -113,6 +118,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     keys = api_keys(args)
     limits(args, 1)  # the flags' ranges, before anything loads
+    template = chat_template.find(args.chat_template, None)  # a file that does not parse: an error before loading
     if args.max_constraint_states < 1 or args.constraint_classes < 1 or args.constraint_timeout <= 0:
         raise GPT2JaxError("--max-constraint-states, --constraint-classes and --constraint-timeout must be > 0")
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}  # put back at the end
@@ -130,6 +136,8 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         mesh = parse_mesh(args.mesh) if args.mesh else None
         params, config = load_model(args, mesh)
+        if template is None:
+            template = chat_template.find(None, resolve_model(args.model) if args.model else BUNDLED_MODEL)
         compiler = ConstraintCompiler(args.constraint_timeout, args.max_constraint_states, args.constraint_workers)
         starting = threading.Thread(target=compiler.start, daemon=True)  # its child starts while we compile
         starting.start()
@@ -155,7 +163,9 @@ def run_serve(args: argparse.Namespace) -> int:
         name = args.model_name or args.model or "shakespeare"
         bounds = limits(args, engine.max_seq)
         app = create_app(engine, tokenizer(), name, api_keys=keys, compiler=compiler, playground=not args.no_playground,
-                         limits=bounds)  # fmt: skip
+                         limits=bounds, chat_template=template)  # fmt: skip
+        say(f"chat template: {template.origin}" if template is not None else
+            "no chat template: /v1/chat/completions answers 400 (give --chat-template FILE)")  # fmt: skip
 
         def drain(server) -> None:
             """Let the requests in flight finish (new ones: 503), then stop serving."""

@@ -110,6 +110,14 @@ def serve_parser(serve: argparse.ArgumentParser, cache_arg) -> None:
     add("--num-speculative-tokens", "--speculate", dest="speculate", type=int, default=4, metavar="K",
         help="tokens proposed per round (with --prompt-lookup or --draft-model); the engine runs a round only when "
         "it is measured to give more tokens per second than a plain step; a request opts out with \"speculative\": false")  # fmt: skip
+    add(
+        "--chat-template",
+        default=None,
+        metavar="FILE",
+        help="the Jinja template (HuggingFace's chat_template convention: messages, add_generation_prompt, "
+        "bos_token, eos_token) that turns /v1/chat/completions' messages into a prompt (default: the "
+        "chat_template of the model's tokenizer_config.json; without either, chat requests get a 400)",
+    )
     add("--no-playground", action="store_true", help="serve no page at / (the API only)")
     add("--allocator", choices=["auto", "jemalloc", "glibc"], default="auto",
         help="the process's malloc: auto runs on jemalloc where it is installed (libjemalloc2), whose RSS stays "

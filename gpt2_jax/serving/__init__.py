@@ -13,11 +13,13 @@
   warmup.py             start-up: the essential programs first, the rest in the background
   limits.py             what one client may cost: body size, time to send a request, beam-search work
   api.py                the FastAPI app (schema.py, completions.py, metrics.py, openapi.py, static/)
+  chat.py               /v1/chat/completions: messages through the chat template (chat_template.py) to a prompt,
+                        then the completions path; chat_schema.py: its body and answer
   plan.py               an OpenAI request mapped onto the engine: checked, tokenized, one SamplingParams
   choices.py            a request in flight: the Job and its event stream; streamed_text.py: a choice's text;
                         logprobs_json.py: its logprobs as OpenAI's JSON
 
-The HTTP parts need the serve extra (fastapi, uvicorn); they are imported on first use, so the engine alone
+The HTTP parts need the serve extra (fastapi, uvicorn, jinja2); they are imported on first use, so the engine alone
 needs neither.
 """
 

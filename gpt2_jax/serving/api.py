@@ -1,10 +1,12 @@
-"""An OpenAI-compatible HTTP API over the serving engine: /v1/completions (plain and streamed), /v1/models,
+"""An OpenAI-compatible HTTP API over the serving engine: /v1/completions and /v1/chat/completions (plain and
+streamed), /v1/models,
 /tokenize and /detokenize (vLLM's), /health, /metrics, a playground page at /, and the explainer (its page at
 /explain, its numbers from POST /v1/explain: explain.py).
 
 `create_app(engine, tokenizer, model_name)` returns a FastAPI app; `gpt2-jax serve` runs it with uvicorn;
 `serving.warmup` compiles what requests will run. The parts: schema.py (request bodies, OpenAI-shaped
-errors), completions.py (the completions endpoint), plan.py (the request mapped onto the engine's rows),
+errors), completions.py (the completions endpoint), chat.py (the chat endpoint: messages through
+chat_template.py's template to a prompt, then the completions path), plan.py (the request mapped onto the engine's rows),
 choices.py (each choice's streamed text and logprobs, the job in flight),
 metrics.py (/metrics), openapi.py (the schema clients and fuzzers read), static/ (the playground).
 
@@ -30,6 +32,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 
 from gpt2_jax.serving import explain, openapi
+from gpt2_jax.serving.chat import ChatShape
+from gpt2_jax.serving.chat_template import ChatTemplate
 from gpt2_jax.serving.completions import Completions
 from gpt2_jax.serving.engine import Engine
 from gpt2_jax.serving.limits import BodyLimit, Limits
@@ -59,12 +63,13 @@ def _authorized(header: str | None, keys: tuple[bytes, ...]) -> bool:
 
 def create_app(engine: Engine, tokenizer: Any, model_name: str, *, log: Any = None, api_keys: Any = (),
                compiler: Any = None, ready: Any = lambda: True, playground: bool = True,
-               limits: Limits | None = None) -> FastAPI:  # fmt: skip
+               limits: Limits | None = None, chat_template: ChatTemplate | None = None) -> FastAPI:  # fmt: skip
     """The OpenAI-compatible app over a started Engine. tokenizer: a tiktoken Encoding (gpt2_jax.tokenizer());
     model_name: the id clients pass as "model"; log: where the one line per request goes (default stderr);
     api_keys: the accepted keys (none: no key needed); compiler: a serving.constraint_worker.ConstraintCompiler
     (None: constraints compile in this process); ready(): whether the essential programs are compiled;
-    playground: serve the page at /; limits: the per-request bounds (default: Limits.for_context(max_seq))."""
+    playground: serve the page at /; limits: the per-request bounds (default: Limits.for_context(max_seq));
+    chat_template: what renders /v1/chat/completions' messages (serving.chat_template; None: chat answers 400)."""
     app = FastAPI(title="gpt2-jax", description="OpenAI-compatible completions over gpt2_jax's serving engine")
     app.state.engine, app.state.model_name, app.state.stopping = engine, model_name, False
     app.state.metrics = metrics = Metrics()
@@ -163,6 +168,17 @@ def create_app(engine: Engine, tokenizer: Any, model_name: str, *, log: Any = No
     )
     async def completions_endpoint(http: HTTPRequest):
         return await completions.handle(http)
+
+    chat = ChatShape(chat_template, enc, engine.max_seq)
+
+    @app.post(
+        "/v1/chat/completions",
+        openapi_extra=openapi.chat_body(),
+        responses=openapi.errors(400, 401, 404, 408, 413, 429, 503),
+    )
+    async def chat_endpoint(http: HTTPRequest):
+        """Messages rendered by the chat template, then a completion on that prompt, answered as a chat."""
+        return await completions.handle(http, chat)
 
     explain.install(app, engine, enc, check_model)
     openapi.install(app, model_name, engine.max_seq, engine.config.valid_vocab)

@@ -28,14 +28,15 @@ from gpt2_jax.serving.streamed_text import Choice
 class Job:
     """One HTTP request in flight: its choices, the engine rows, and the queue their events arrive on."""
 
-    def __init__(self, rid: str, plan: RequestPlan, enc: Any, eos: int | None, metrics: Metrics, arrived: float):
+    def __init__(self, rid: str, plan: RequestPlan, enc: Any, metrics: Metrics, arrived: float):
         self.rid, self.plan, self.metrics = rid, plan, metrics
         self.arrived = arrived  # perf_counter() when the request came in
         self.first_token: float | None = None
         self.queue: asyncio.Queue = asyncio.Queue()
         self.loop = asyncio.get_running_loop()
         k = plan.n if plan.beam else plan.best_of  # rows per prompt: best_of candidates (beam search returns n)
-        self.choices = [Choice(p * k + j, p, enc, plan.stops, eos) for p in range(len(plan.prompts)) for j in range(k)]
+        self.choices = [Choice(p * k + j, p, enc, plan.stops, plan.end_ids, plan.skip_special)
+                        for p in range(len(plan.prompts)) for j in range(k)]  # fmt: skip
         self.candidates = self.choices  # every candidate row (usage counts them all); choices: the ones returned
         self.echo: list[tuple[list, list]] = []  # per prompt: its logprobs and top alternatives
         self.error: BaseException | None = None

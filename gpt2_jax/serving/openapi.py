@@ -14,11 +14,12 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gpt2_jax.sampling.checks import BOUNDS, MAX_STOP_STRINGS
+from gpt2_jax.sampling.checks import BOUNDS, MAX_STOP_IDS, MAX_STOP_STRINGS
+from gpt2_jax.serving.chat_schema import ChatRequest, ChatResponse
 from gpt2_jax.serving.schema import ApiError, CompletionRequest, CompletionResponse, ErrorResponse
 
 # API field -> the SamplingParams field whose range it has (the ranges live there: sampling.params.BOUNDS)
-_SAME_RANGE = {"temperature": "temperature", "top_p": "top_p", "min_p": "min_p", "logprobs": "top_logprobs",
+_SAME_RANGE = {"temperature": "temperature", "top_p": "top_p", "min_p": "min_p",
                "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
                "frequency_penalty": "frequency_penalty", "min_tokens": "min_new_tokens"}  # fmt: skip
 
@@ -43,6 +44,11 @@ def completion_body() -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
+def chat_body() -> dict:
+    ref = {"$ref": "#/components/schemas/ChatRequest"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
 def _rehome(node: Any) -> Any:
     """Pydantic's `#/$defs/X` references -> `#/components/schemas/X`."""
     if isinstance(node, dict):
@@ -60,23 +66,43 @@ def _bound(prop: dict, bounds: dict) -> None:
             alt.update(bounds)
 
 
-def _completion_schema(model_name: str, max_seq: int, vocab: int) -> dict:
-    """The completions body as this server takes it: its model id, its ranges, token ids in its vocabulary."""
-    body = _rehome(CompletionRequest.model_json_schema(ref_template="#/components/schemas/{model}"))
-    props = body["properties"]
+def _shared_schema(body: type, model_name: str, max_seq: int, vocab: int) -> dict:
+    """A body's schema (SamplingFields' fields) as this server takes it: its model id, its ranges, token ids in
+    its vocabulary."""
+    schema = _rehome(body.model_json_schema(ref_template="#/components/schemas/{model}"))
+    props = schema["properties"]
     props["model"] = {"type": "string", "enum": [model_name], "title": "Model"}
+    for api, ours in _SAME_RANGE.items():
+        _bound(props[api], BOUNDS[ours])
+    _bound(props["max_tokens"], {"minimum": 0, "maximum": max_seq})
+    _bound(props["max_completion_tokens"], {"minimum": 0, "maximum": max_seq})
+    _bound(props["top_k"], {"minimum": -1})
+    _bound(props["n"], {"minimum": 1})
+    _bound(props["seed"], {"minimum": 0, "maximum": 2**32 - 1})
+    for alt in props["stop_token_ids"]["anyOf"]:
+        if alt.get("type") == "array":
+            alt.update(maxItems=MAX_STOP_IDS, items={"type": "integer", "minimum": 0, "maximum": vocab - 1})
+    for alt in props["choice"]["anyOf"]:
+        if alt.get("type") == "array":
+            alt["minItems"] = 1
+    for alt in props["stop"]["anyOf"]:
+        if alt.get("type") == "array":
+            alt.update(maxItems=MAX_STOP_STRINGS, items={"type": "string", "minLength": 1})
+        elif alt.get("type") == "string":
+            alt["minLength"] = 1
+    return schema
+
+
+def _completion_schema(model_name: str, max_seq: int, vocab: int) -> dict:
+    body = _shared_schema(CompletionRequest, model_name, max_seq, vocab)
+    props = body["properties"]
     props["suffix"] = {
         "type": "null",
         "title": "Suffix",
         "description": "not supported: insertion needs a model trained for it",
     }
-    for api, ours in _SAME_RANGE.items():
-        _bound(props[api], BOUNDS[ours])
-    _bound(props["max_tokens"], {"minimum": 0, "maximum": max_seq})
-    _bound(props["top_k"], {"minimum": -1})
-    _bound(props["n"], {"minimum": 1})
+    _bound(props["logprobs"], BOUNDS["top_logprobs"])
     _bound(props["best_of"], {"minimum": 1})
-    _bound(props["seed"], {"minimum": 0, "maximum": 2**32 - 1})
     ids = {"type": "integer", "minimum": 0, "maximum": vocab - 1}
     for alt in props["prompt"]["anyOf"]:  # token ids in the vocabulary; lists never empty
         if alt.get("type") == "array":
@@ -86,15 +112,27 @@ def _completion_schema(model_name: str, max_seq: int, vocab: int) -> dict:
                 alt["items"] = ids
             elif inner.get("type") == "array":
                 alt["items"] = {"type": "array", "items": ids, "minItems": 1}
-    for alt in props["choice"]["anyOf"]:
-        if alt.get("type") == "array":
-            alt["minItems"] = 1
-    for alt in props["stop"]["anyOf"]:
-        if alt.get("type") == "array":
-            alt.update(maxItems=MAX_STOP_STRINGS, items={"type": "string", "minLength": 1})
-        elif alt.get("type") == "string":
-            alt["minLength"] = 1
     return body
+
+
+def _chat_schema(model_name: str, max_seq: int, vocab: int) -> dict:
+    body = _shared_schema(ChatRequest, model_name, max_seq, vocab)
+    _bound(body["properties"]["top_logprobs"], BOUNDS["top_logprobs"])
+    body["properties"]["messages"]["minItems"] = 1
+    return body
+
+
+def _stream_response(schema: str, what: str) -> dict:
+    """A 200 that is JSON, or with stream: true server-sent events each holding a `schema` object."""
+    return {
+        "description": f"the {what}; with stream: true, server-sent events each holding a {schema} "
+                       "(choices with deltas), then data: [DONE]",
+        "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}},
+                    "text/event-stream": {"schema": {  # one server-sent event
+                        "type": "object", "required": ["data"],
+                        "properties": {"data": {"type": "string", "description": f"a {schema} as JSON, "
+                                                "an error object, or [DONE]"}, "event": {"type": "string"}}}}},
+    }  # fmt: skip
 
 
 def install(app: FastAPI, model_name: str, max_seq: int, vocab: int) -> None:
@@ -106,23 +144,18 @@ def install(app: FastAPI, model_name: str, max_seq: int, vocab: int) -> None:
             return app.openapi_schema
         doc = plain()
         schemas = doc.setdefault("components", {}).setdefault("schemas", {})
-        body = _completion_schema(model_name, max_seq, vocab)
-        for name, sub in body.pop("$defs", {}).items():
-            schemas[name] = sub
-        schemas["CompletionRequest"] = body
-        answer = _rehome(CompletionResponse.model_json_schema(ref_template="#/components/schemas/{model}"))
-        for name, sub in answer.pop("$defs", {}).items():
-            schemas[name] = sub
-        schemas["CompletionResponse"] = answer
-        doc["paths"]["/v1/completions"]["post"]["responses"]["200"] = {
-            "description": "the completion; with stream: true, server-sent events each holding a CompletionResponse "
-                           "(choices with text deltas), then data: [DONE]",
-            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/CompletionResponse"}},
-                        "text/event-stream": {"schema": {  # one server-sent event
-                            "type": "object", "required": ["data"],
-                            "properties": {"data": {"type": "string", "description": "a CompletionResponse as JSON, "
-                                                    "an error object, or [DONE]"}, "event": {"type": "string"}}}}},
-        }  # fmt: skip
+        for name, schema in (("CompletionRequest", _completion_schema(model_name, max_seq, vocab)),
+                             ("ChatRequest", _chat_schema(model_name, max_seq, vocab)),
+                             ("CompletionResponse", _rehome(CompletionResponse.model_json_schema(
+                                 ref_template="#/components/schemas/{model}"))),
+                             ("ChatResponse", _rehome(ChatResponse.model_json_schema(
+                                 ref_template="#/components/schemas/{model}")))):  # fmt: skip
+            for sub_name, sub in schema.pop("$defs", {}).items():
+                schemas[sub_name] = sub
+            schemas[name] = schema
+        paths = doc["paths"]
+        paths["/v1/completions"]["post"]["responses"]["200"] = _stream_response("CompletionResponse", "completion")
+        paths["/v1/chat/completions"]["post"]["responses"]["200"] = _stream_response("ChatResponse", "chat completion")
         tokens = schemas["DetokenizeRequest"]["properties"]["tokens"]
         tokens["items"] = {"type": "integer", "minimum": 0, "maximum": vocab - 1}
         for path in doc.get("paths", {}).values():

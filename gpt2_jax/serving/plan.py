@@ -16,6 +16,7 @@ from typing import Any
 from gpt2_jax.errors import GPT2JaxError
 from gpt2_jax.generation.beam import MAX_BEAMS
 from gpt2_jax.sampling import SamplingParams, constraints
+from gpt2_jax.sampling.checks import MAX_STOP_IDS
 from gpt2_jax.serving.engine import Engine
 from gpt2_jax.serving.limits import check_chars
 from gpt2_jax.serving.schema import ApiError, CompletionRequest
@@ -28,7 +29,8 @@ class RequestPlan:
     """A validated request: its prompts as token ids and text, and the engine's per-row settings."""
 
     def __init__(self, req: CompletionRequest, engine: Engine, enc: Any, compiler: Any = None,
-                 max_beam_tokens: int | None = None):  # fmt: skip
+                 max_beam_tokens: int | None = None, default_max_tokens: int | None = DEFAULT_MAX_TOKENS):  # fmt: skip
+        """default_max_tokens: max_tokens when the request gives none (None: the rest of the context, as chat has)."""
         config = engine.config
         self.n = 1 if req.n is None else req.n
         if self.n < 1:
@@ -45,30 +47,39 @@ class RequestPlan:
             raise ApiError(400, f"{name} is a beam-search setting: give use_beam_search: true", param=name)
         if req.suffix is not None:
             raise ApiError(400, "suffix is not supported", param="suffix")
-        self.max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-        if self.max_tokens < 0:
-            raise ApiError(400, f"max_tokens must be >= 0, got {self.max_tokens}", param="max_tokens")
+        given = _given_max_tokens(req)
+        max_tokens = default_max_tokens if given is None else given
+        if max_tokens is not None and max_tokens < 0:
+            raise ApiError(400, f"max_tokens must be >= 0, got {max_tokens}", param="max_tokens")
         self.echo = bool(req.echo)
         self.top_n = req.logprobs
         if req.seed is not None and not 0 <= req.seed < SEED_LIMIT:
             raise ApiError(400, f"seed must be an int in [0, 2**32), got {req.seed}", param="seed")
         self.seed = secrets.randbelow(2**31) if req.seed is None else req.seed
         self.stream = bool(req.stream)
-        if req.stream_options is not None and not self.stream:
+        options = req.stream_options
+        if options is not None and not self.stream:
             raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
-        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        self.include_usage = bool(options and options.include_usage)
+        self.continuous_usage = bool(options and options.continuous_usage_stats)  # usage so far in every chunk
         self._check_rows(req, engine)  # before any tokenizing: 10,000 prompts are refused at once
         self.prompts, self.texts = self._prompts(req.prompt, enc, config, engine.max_seq)
+        # none given and no default: as much as the longest prompt leaves (at least 1, else the 400 below)
+        self.max_tokens = max(engine.max_seq - max(map(len, self.prompts)), 1) if max_tokens is None else max_tokens
         for p, ids in enumerate(self.prompts):
             if len(ids) + self.max_tokens > engine.max_seq:
                 raise ApiError(400, f"prompt {p}: {len(ids)} prompt tokens + max_tokens={self.max_tokens} exceed "
                                     f"this server's max_seq={engine.max_seq}", param="max_tokens",
                                code="context_length_exceeded")  # fmt: skip
+        stop_ids = _stop_ids(req.stop_token_ids or [], config.valid_vocab)
         self.sampling = self._sampling(req, self.max_tokens, self.top_n, compiler, config)
         if self.sampling.min_new_tokens > self.max_tokens:
             raise ApiError(400, f"min_tokens={req.min_tokens} must be <= max_tokens={self.max_tokens}",
                            param="min_tokens")  # fmt: skip
         self.stops = list(self.sampling.stop)
+        eos = self.sampling.eos(config)
+        self.end_ids = frozenset(stop_ids + ([] if eos is None else [eos]))  # the tokens that end a row
+        self.skip_special = req.skip_special_tokens is not False  # <|endoftext|> left out of the text
         if self.beam:
             self._beam_settings(req, max_beam_tokens)
 
@@ -161,6 +172,10 @@ class RequestPlan:
             if req.top_k < -1:
                 raise ApiError(400, f"top_k must be -1 or 0 (off) or a positive int, got {req.top_k}", param="top_k")
             o["top_k"] = max(req.top_k, 0)  # vLLM's -1 is our 0: off
+        if req.ignore_eos:
+            o["eos_id"] = None  # vLLM's ignore_eos: EOS is a token like any other
+        if req.stop_token_ids:
+            o["stop_ids"] = tuple(req.stop_token_ids)
         if req.stop is not None and req.stop != []:
             o["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
         if req.logit_bias:
@@ -172,6 +187,9 @@ class RequestPlan:
         if len(given) > 1:
             raise ApiError(400, f"give at most one of regex, choice and json_schema, got {', '.join(given)}",
                            param=given[1])  # fmt: skip
+        if given and req.ignore_eos:
+            raise ApiError(400, f"ignore_eos cannot be combined with {given[0]}: a constrained output ends on EOS",
+                           param="ignore_eos")  # fmt: skip
         try:
             if given:
                 payload = getattr(req, given[0])
@@ -182,3 +200,25 @@ class RequestPlan:
         except GPT2JaxError as e:
             raise ApiError(400, str(e), param=given[0]) from None
         return SamplingParams(**o)
+
+
+def _given_max_tokens(req: CompletionRequest) -> int | None:
+    """max_tokens or its newer name max_completion_tokens (None: neither given); both given must agree."""
+    old, new = req.max_tokens, req.max_completion_tokens
+    if old is not None and new is not None and old != new:
+        raise ApiError(400, f"max_tokens={old} and max_completion_tokens={new} differ: give one of them "
+                            "(max_completion_tokens is OpenAI's newer name for max_tokens)",
+                       param="max_completion_tokens")  # fmt: skip
+    return new if new is not None else old
+
+
+def _stop_ids(ids: list[int], vocab: int) -> list[int]:
+    """stop_token_ids checked: inside the vocab, and at most MAX_STOP_IDS (the engine's fixed width)."""
+    if len(ids) > MAX_STOP_IDS:
+        raise ApiError(400, f"stop_token_ids: at most {MAX_STOP_IDS} token ids are supported, got {len(ids)}",
+                       param="stop_token_ids")  # fmt: skip
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise ApiError(400, f"stop_token_ids: token id {bad[0]} is outside the vocab [0, {vocab})",
+                       param="stop_token_ids")  # fmt: skip
+    return list(ids)

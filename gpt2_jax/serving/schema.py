@@ -25,39 +25,51 @@ Int = Annotated[int, BeforeValidator(_integral)]
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # vLLM's: every chunk carries the usage so far
 
 
-class CompletionRequest(BaseModel):
-    """OpenAI's /v1/completions body, plus vLLM's names for the settings OpenAI lacks (top_k, min_p,
-    repetition_penalty, min_tokens) and for constrained output (regex, choice, json_schema)."""
+class SamplingFields(BaseModel):
+    """The fields /v1/completions and /v1/chat/completions share: OpenAI's, and vLLM's (and llama-server's) names
+    for the settings OpenAI lacks (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids,
+    skip_special_tokens) and for constrained output (regex, choice, json_schema)."""
 
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
     model: str
-    prompt: str | list[str] | list[Int] | list[list[Int]] | None = None
     max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None  # OpenAI's newer name for max_tokens
     temperature: float | None = None
     top_p: float | None = None
     n: Int | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    logprobs: Int | None = None
-    echo: bool | None = None
     stop: str | list[str] | None = None
     seed: Int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    best_of: Int | None = None
-    suffix: str | None = None
     # vLLM's extensions
     top_k: Int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     min_tokens: Int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[Int] | None = None
+    skip_special_tokens: bool | None = None
     regex: str | None = None
     choice: list[str] | None = None
     json_schema: dict[str, Any] | None = None
+
+
+class CompletionRequest(SamplingFields):
+    """OpenAI's /v1/completions body (SamplingFields, and what only completions have: the prompt, legacy logprobs,
+    echo, best_of and vLLM's beam search)."""
+
+    prompt: str | list[str] | list[Int] | list[list[Int]] | None = None
+    logprobs: Int | None = None
+    echo: bool | None = None
+    best_of: Int | None = None
+    suffix: str | None = None
     use_beam_search: bool | None = None  # vLLM's (legacy) beam search: best_of beams, the n best returned
     length_penalty: float | None = None
     early_stopping: bool | Literal["never"] | None = None
@@ -138,8 +150,12 @@ class ErrorResponse(BaseModel):
 
 
 # gpt2_jax's names for settings, as the API calls them (errors name the API's field)
-_PARAM_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "top_logprobs": "logprobs"}
-_FIELDS = tuple(CompletionRequest.model_fields)
+_PARAM_NAMES = {
+    "max_new_tokens": "max_tokens",
+    "min_new_tokens": "min_tokens",
+    "top_logprobs": "logprobs",
+    "stop_ids": "stop_token_ids",
+}
 
 
 class ApiError(Exception):
@@ -173,6 +189,7 @@ _SETTINGS = (
     "stop",
     "max_tokens",
     "min_tokens",
+    "stop_token_ids",
     "logprobs",
     "prompt",
     "regex",
@@ -204,14 +221,14 @@ def from_gpt2_jax(e: BaseException) -> ApiError:
     return ApiError(500, f"internal error: {type(e).__name__}: {e}")
 
 
-def from_validation(errors: Sequence[ErrorDetails]) -> ApiError:
-    """pydantic's errors -> one 400 naming the first bad field."""
+def from_validation(errors: Sequence[ErrorDetails], body: type[BaseModel] = CompletionRequest) -> ApiError:
+    """pydantic's errors (validating `body`) -> one 400 naming the first bad field."""
     e = errors[0]
     loc = [str(x) for x in e.get("loc", ()) if x != "body"]
     if e["type"] == "json_invalid":
         return ApiError(400, f"the body is not valid JSON: {e['msg']}", code="invalid_json")
     if e["type"] == "extra_forbidden":
-        return ApiError(400, f"unknown field {'.'.join(loc)!r}; accepted fields: {', '.join(_FIELDS)}",
+        return ApiError(400, f"unknown field {'.'.join(loc)!r}; accepted fields: {', '.join(body.model_fields)}",
                         param=loc[0] if loc else None, code="unknown_field")  # fmt: skip
     if e["type"] == "model_type" and not loc:
         return ApiError(400, "the body must be a JSON object")
