@@ -3,7 +3,8 @@
 not, alone or among concurrent requests; errors are OpenAI-shaped with the right status; a dropped
 stream frees its slot; SIGTERM drains the requests in flight, exits 0 and frees the port.
 
-One server process (bundled model, 4 slots, max_seq 128) serves the whole module; it compiles while
+One server process (bundled model, 4 slots, max_seq 128, speculative decoding by prompt lookup) serves the whole
+module; it compiles while
 this process compiles its one generate program. Comparisons with generate keep prompts <= 16 tokens,
 max_tokens <= 16 and always ask for top logprobs, so this process compiles a single program.
 """
@@ -37,7 +38,19 @@ from gpt2_jax.generation.stop_strings import StopMatcher  # noqa: E402
 from tests.servers import Server  # noqa: E402
 
 MODEL = "shakespeare"
-SERVE_ARGS = ["--max-batch", "4", "--max-queue", "8", "--max-seq", "128"]
+# Prompt lookup on every step (where its round is built): every comparison with generate below is also one of
+# speculative serving with plain decoding.
+SERVE_ARGS = [
+    "--max-batch",
+    "4",
+    "--max-queue",
+    "8",
+    "--max-seq",
+    "128",
+    "--prompt-lookup",
+    "--speculate-when",
+    "always",
+]
 TOP = 5  # top logprobs generate computes in every comparison (one compiled program)
 NO_EOS = {"50256": -100}  # keeps a long request running until it is cancelled
 
@@ -409,6 +422,37 @@ def test_concurrent_requests_equal_the_same_requests_alone(server, model):
 
 
 # ---- errors -------------------------------------------------------------------------------------------------
+def test_speculative_rounds_keep_the_bits_and_a_request_opts_out(server, model):
+    """With its speculative programs built, a repetitive greedy prompt's proposals are checked and kept (the
+    /metrics counters move), and its tokens and logprobs are still generate's; "speculative": false runs plain
+    steps (no proposal counted) with the same bits."""
+    enc = model[2]
+    deadline = time.time() + 600
+    while server.metrics()["gpt2_jax_compiling_programs"] and time.time() < deadline:
+        time.sleep(0.5)
+    prompt = "ROMEO: the sun, the sun, the sun, the sun, the sun, the sun, the sun"
+    exp = expected(model, enc.encode(prompt), 3, 0, 16, temperature=0.0)
+    for speculative in (True, False):
+        before = server.metrics()
+        resp = server.client().completions.create(model=MODEL, prompt=prompt, max_tokens=16, seed=3, temperature=0.0,
+                                                  logprobs=TOP, extra_body={"speculative": speculative})  # fmt: skip
+        assert_matches(plain(resp)[0], exp, enc, top=TOP)
+        after = server.metrics()
+        moved = {k: after[k] - before[k] for k in ("gpt2_jax_speculative_proposed_tokens_total",
+                                                  "gpt2_jax_speculative_accepted_tokens_total")}  # fmt: skip
+        if speculative:
+            assert (
+                0
+                < moved["gpt2_jax_speculative_accepted_tokens_total"]
+                <= moved["gpt2_jax_speculative_proposed_tokens_total"]
+            )
+        else:
+            assert moved == {
+                "gpt2_jax_speculative_proposed_tokens_total": 0,
+                "gpt2_jax_speculative_accepted_tokens_total": 0,
+            }
+
+
 def test_errors_are_openai_shaped_with_their_status(server):
     client = server.client()
 

@@ -58,7 +58,8 @@ def speculation(args: argparse.Namespace, mesh):
 
     if not args.prompt_lookup and args.draft is None:
         return None
-    return Speculation(k=args.speculate, draft=None if args.prompt_lookup else load_draft(args, mesh))
+    draft = None if args.prompt_lookup else load_draft(args, mesh)
+    return Speculation(k=args.speculate, draft=draft, when=args.speculate_when)
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -107,6 +107,9 @@ def serve_parser(serve: argparse.ArgumentParser, cache_arg) -> None:
         metavar="MODEL",
         help="speculative decoding with this smaller draft model (same vocabulary; any --model form)",
     )
+    add("--speculate-when", choices=["auto", "always"], default="auto",
+        help="auto: a speculative round only when it is measured to give more tokens per second than a plain step; "
+        "always: every step a round (benches, tests)")  # fmt: skip
     add("--num-speculative-tokens", "--speculate", dest="speculate", type=int, default=4, metavar="K",
         help="tokens proposed per round (with --prompt-lookup or --draft-model); the engine runs a round only when "
         "it is measured to give more tokens per second than a plain step; a request opts out with \"speculative\": false")  # fmt: skip

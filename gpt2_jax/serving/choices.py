@@ -58,7 +58,7 @@ class Job:
             requests = []
             for c in self.choices:
                 c.request = Request(plan.prompts[c.prompt_index], plan.sampling, row_key(plan.seed, c.index),
-                                    self._callback(c.index), seed=plan.seed)  # fmt: skip
+                                    self._callback(c.index), seed=plan.seed, speculate=plan.speculate)  # fmt: skip
                 c.request.prepared = engine.check(c.request)  # every row validated before any is queued
                 requests.append(c.request)
             for request in requests:

@@ -80,6 +80,7 @@ class RequestPlan:
         eos = self.sampling.eos(config)
         self.end_ids = frozenset(stop_ids + ([] if eos is None else [eos]))  # the tokens that end a row
         self.skip_special = req.skip_special_tokens is not False  # <|endoftext|> left out of the text
+        self.speculate = req.speculative is not False  # takes part in speculative decoding, where the server has it
         if self.beam:
             self._beam_settings(req, max_beam_tokens)
 

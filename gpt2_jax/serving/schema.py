@@ -59,6 +59,8 @@ class SamplingFields(BaseModel):
     regex: str | None = None
     choice: list[str] | None = None
     json_schema: dict[str, Any] | None = None
+    # gpt2_jax's: false keeps this request out of speculative decoding (on a server started with it)
+    speculative: bool | None = None
 
 
 class CompletionRequest(SamplingFields):
