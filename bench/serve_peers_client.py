@@ -98,6 +98,18 @@ class Client:
         return r
 
 
+def run_threads(target, n: int) -> None:
+    """n daemon threads of target, joined in short waits: the kernel may hand a signal to any thread, and Python
+    runs its handler only when the main thread next runs, so a plain join would hold Ctrl-C (and with it the
+    servers' shutdown) until the whole level ends."""
+    threads = [threading.Thread(target=target, daemon=True) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        while t.is_alive():
+            t.join(0.2)
+
+
 def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
     """n prompts of `length` random token ids (EOS excluded), the same for every engine."""
     return np.random.default_rng(seed).integers(0, EOS, (n, length)).tolist()
@@ -127,11 +139,7 @@ def run_level(client: Client, reqs: list[list[int]], concurrency: int, tokens: i
             conn.close()
 
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=stream_loop, daemon=True) for _ in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_threads(stream_loop, concurrency)
     done = [r for r in results if r is not None]
     end = max((r.arrivals[-1] for r in done if r.arrivals), default=time.perf_counter())
     return done, end - t0
@@ -179,11 +187,7 @@ def distinct_greedy(client: Client, prompt: list[int], tokens: int, n: int = 16,
         finally:
             conn.close()
 
-    threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_threads(worker, concurrency)
     if any(o is None for o in out):
         raise RuntimeError(f"{client.engine}: a distinct-greedy request failed (see above)")
     return len(set(out))

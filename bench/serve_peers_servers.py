@@ -112,7 +112,7 @@ class Server:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGTERM)
             try:
-                self.proc.wait(timeout=15)
+                self.proc.wait(timeout=5)  # llama-server waits for its open streams: not for long
             except subprocess.TimeoutExpired:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(self.proc.pid, signal.SIGKILL)
