@@ -1,7 +1,7 @@
 """gpt2_jax's server against llama.cpp's llama-server, both on the same random gpt2-small checkpoint, the same
 threads and the same streamed load.
 
-    pip install -e '.[peers]' && python bench/serve_peers.py [--concurrency 1,8,32] [--requests 4]
+    pip install -e '.[peers]' && python bench/serve_peers.py [--concurrency 1,8,32] [--requests 2]
         [--engines gpt2_jax,llama-server] [--precisions float32,int8] [--threads 2] [--json out.json] [--quick]
 
 Pairings: float32 = gpt2_jax `--dtype float32` against llama-server on an f32 GGUF; int8 = gpt2_jax `--dtype w8a8`
@@ -9,14 +9,14 @@ against llama-server on a q8_0 GGUF (its KV cache f16, its default). The checkpo
 bench/peers_convert.py into a temp dir, removed at the end. llama-server is built once from the pinned
 llama-cpp-python sdist's llama.cpp (bench/llama_server.py, cached under ~/.cache/gpt2_jax/llama-server/).
 
-One server at a time, pinned to the first --threads cores (llama-server with -t/-tb --threads, -np 32 slots of
-512 positions; gpt2_jax with --max-batch 32 and KV blocks for 32 requests of 384 tokens), warmed up, then per
-concurrency C: C client threads (http.client, on the remaining cores if there are any) each send their next
-request when the last finished, --requests x C requests in all: a prompt of 256 random token ids, 128 new tokens,
-greedy, EOS forbidden, streamed. Per level: output tok/s (every streamed token over the level's wall time), TTFT
-and inter-token gap p50/p99 (bench/serve_peers_client.py says how tokens are counted per chunk). "distinct of
-16": 16 identical greedy requests at concurrency 8, how many different completions came back (1 is batch
-invariance). Servers are stopped on exit, Ctrl-C and errors included.
+One server at a time, pinned to the first --threads cores (llama-server with -t/-tb --threads, or --llama-threads,
+-np 32 slots of 512 positions; gpt2_jax with --max-batch 32 and KV blocks for 32 requests of 384 tokens), warmed
+up, then per concurrency C: C client threads (http.client, on the remaining cores if there are any) each send
+their next request when the last finished, --requests x C requests in all (at least 8): a prompt of 256 random
+token ids, 128 new tokens, greedy, EOS forbidden, streamed. Per level: output tok/s (every streamed token over the
+level's wall time), TTFT and inter-token gap p50/p99 (bench/serve_peers_client.py says how tokens are counted per
+chunk). "distinct of 16": 16 identical greedy requests at concurrency 8, how many different completions came
+back (1 is batch invariance). Servers are stopped on exit, Ctrl-C and errors included.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ PAIRS = {
     "int8": {"gpt2_jax": "w8a8", "llama-server": "q8_0"},
 }
 PROMPT, NEW = 256, 128
+MIN_REQUESTS = 8  # a level's fewest requests (but --quick's): concurrency 1's TTFT percentiles need a few
 
 
 def one_engine(engine: str, precision: str, setup: Setup, args) -> list[dict]:
@@ -59,7 +60,8 @@ def _measure(engine: str, label: str, server, args, ready_s: float) -> list[dict
     print(f"  warm-up: 8 requests at concurrency 4 in {seconds:.1f} s", flush=True)
     rows = []
     for c in args.concurrency:
-        results, seconds = run_level(client, prompts(args.requests * c, PROMPT, seed=c), c, NEW)
+        n = args.requests * c if args.quick else max(MIN_REQUESTS, args.requests * c)
+        results, seconds = run_level(client, prompts(n, PROMPT, seed=c), c, NEW)
         row = {"engine": engine, "precision": label, "concurrency": c, **summary(results, seconds)}
         rows.append(row)
         err = f", {row['errors']} errors (first: {row['first_error']})" if row["errors"] else ""
@@ -87,7 +89,8 @@ def table(rows: list[dict]) -> str:
 def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--concurrency", default="1,8,32", help="comma-separated concurrency levels")
-    ap.add_argument("--requests", type=int, default=4, help="requests per concurrent stream at each level")
+    ap.add_argument("--requests", type=int, default=2,
+                    help=f"requests per concurrent stream at each level, at least {MIN_REQUESTS} a level in all")  # fmt: skip
     ap.add_argument("--engines", default="gpt2_jax,llama-server")
     ap.add_argument("--precisions", default="float32,int8", help="float32 (f32 GGUF) and/or int8 (w8a8 vs q8_0)")
     ap.add_argument("--threads", type=int, default=2, help="cores each server is pinned to (and its threads)")
