@@ -122,21 +122,20 @@ def run_level(client: Client, reqs: list[list[int]], concurrency: int, tokens: i
     order, lock = iter(range(len(reqs))), threading.Lock()
 
     def stream_loop() -> None:
-        conn = client.connect()
-        try:
-            while True:
-                with lock:
-                    i = next(order, None)
-                if i is None:
-                    return
-                try:
-                    results[i] = client.stream(conn, reqs[i], tokens)
-                except (OSError, http.client.HTTPException, ValueError) as e:
-                    results[i] = Result(sent=time.perf_counter(), error=f"{type(e).__name__}: {e}")
-                    conn.close()
-                    conn = client.connect()
-        finally:
-            conn.close()
+        # A fresh connection per request: llama-server closes a streamed response's connection, and a reused
+        # one then fails the next request (RemoteDisconnected); a loopback connect costs both servers alike.
+        while True:
+            with lock:
+                i = next(order, None)
+            if i is None:
+                return
+            conn = client.connect()
+            try:
+                results[i] = client.stream(conn, reqs[i], tokens)
+            except (OSError, http.client.HTTPException, ValueError) as e:
+                results[i] = Result(sent=time.perf_counter(), error=f"{type(e).__name__}: {e}")
+            finally:
+                conn.close()
 
     t0 = time.perf_counter()
     run_threads(stream_loop, concurrency)
