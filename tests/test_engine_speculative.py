@@ -68,14 +68,16 @@ def crowd(enc):
     return reqs
 
 
-@pytest.mark.parametrize("method", ["prompt_lookup", "draft"])
-def test_speculating_engine_gives_each_request_generate_alone_bits(model, method):
+@pytest.mark.parametrize("method, when", [("prompt_lookup", "auto"), ("draft", "always")])
+def test_speculating_engine_gives_each_request_generate_alone_bits(model, method, when):
+    """auto: the per-step choice (it rounds where rounds pay, so the quoted passage gets them); always: a round every
+    step."""
     params, config, enc = model
     draft = None
     if method == "draft":  # the target's first layer: a draft that agrees often, sharing the vocabulary
         draft = (dict(params, h=params["h"][:1]), dataclasses.replace(config, n_layer=1))
     engine = Engine(params, config, max_batch=2, max_queue=8, max_seq=200, prefill_chunk=16,
-                    speculation=Speculation(k=4, draft=draft, when="always"))  # fmt: skip
+                    speculation=Speculation(k=4, draft=draft, when=when))  # fmt: skip
     engine.programs.compile()
     engine.start()
     try:
@@ -112,3 +114,8 @@ def test_policy_rounds_where_they_pay_and_explores():
         policy.observe(8, False, 0.028, {})
     assert policy.choose(8, crowd8)  # tried again after EXPLORE plain steps
     assert Policy(Speculation(k=4, when="always")).choose(2, one)
+    lone = Policy(Speculation(k=4))  # a round costs 12 ms against a 10 ms step: it pays from 1.2 tokens a round
+    lone.observe(2, False, 0.010, {})
+    for _ in range(10):  # requests whose rounds kept only their first token (text that does not repeat)
+        lone.observe(2, True, 0.012, {id(Asked()): 1})
+    assert not lone.choose(2, [Asked()])  # a new request starts where they left off (~1 token a round), not at 2

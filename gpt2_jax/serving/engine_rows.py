@@ -222,14 +222,18 @@ class EngineRows:
         if self.policy is None:
             return None
         run = self.programs.speculate(rows, top)
-        return run if run is not None and self.policy.choose(rows, requests) else None
+        return run if run is not None and self.policy.choose(self._size(rows), requests) else None
+
+    def _size(self, rows: int) -> int:
+        """The compiled row count a step over rows [0, rows) runs at: what the policy times it by."""
+        return next(r for r in self.programs.row_buckets() if r >= rows)
 
     def _observe(self, rows: int, slots: list[tuple[int, Slot]], kept: np.ndarray, seconds: float,
                  speculated: bool) -> None:  # fmt: skip
         """Tell the policy what the step took and kept; count a round's proposals."""
         if self.policy is None:
             return
-        size = next(r for r in self.programs.row_buckets() if r >= rows)
+        size = self._size(rows)
         wanting = [(b, s) for b, s in slots if s.request.speculate]
         if speculated:
             k = self.policy.k

@@ -7,7 +7,8 @@ choice changes speed only. A round costs more than a step, and the more so the m
 step reads every weight for one token and a round reads them once for up to k + 1; over many rows the forward is
 compute-bound and a round's k extra tokens per row cost nearly k extra steps. So the engine measures both: the
 seconds a step and a round take for each compiled row count, and for each row the tokens its rounds kept (an
-exponential average; a row new to speculation starts at OPTIMISTIC). It runs a round when the rows' expected
+exponential average; a request new to speculation starts at the average over every round so far, OPTIMISTIC
+before the first). It runs a round when the rows' expected
 tokens per second beat a plain step's; where no round was timed yet, and every EXPLORE plain steps, it runs one
 anyway, so a workload whose text starts repeating itself is noticed.
 """
@@ -77,6 +78,7 @@ class Policy:
         self.round: dict[int, float] = {}  # seconds of a round, by compiled row count
         self.since: dict[int, int] = {}  # plain steps since the last round, by compiled row count
         self.kept: dict[int, float] = {}  # tokens per round, by request (id of its Request)
+        self.prior = OPTIMISTIC  # tokens per round over every request: where a new request starts
 
     def choose(self, size: int, requests: list[Any]) -> bool:
         """Whether the step over `size` compiled rows, for these requests (those with speculate set), is a round."""
@@ -89,7 +91,7 @@ class Policy:
             return False  # a plain step's time first: the yardstick
         if size not in self.round or self.since.get(size, 0) >= EXPLORE:
             return True
-        expected = len(requests) - len(wanting) + sum(self.kept.get(id(r), OPTIMISTIC) for r in wanting)
+        expected = len(requests) - len(wanting) + sum(self.kept.get(id(r), self.prior) for r in wanting)
         return expected / self.round[size] > len(requests) / self.step[size]
 
     def observe(self, size: int, speculated: bool, seconds: float, kept: dict[int, int]) -> None:
@@ -98,7 +100,8 @@ class Policy:
         table[size] = seconds if size not in table else (1 - SMOOTHING) * table[size] + SMOOTHING * seconds
         self.since[size] = 0 if speculated else self.since.get(size, 0) + 1
         for rid, n in kept.items():
-            self.kept[rid] = n if rid not in self.kept else (1 - SMOOTHING) * self.kept[rid] + SMOOTHING * n
+            self.kept[rid] = (1 - SMOOTHING) * self.kept.get(rid, self.prior) + SMOOTHING * n
+            self.prior = (1 - SMOOTHING) * self.prior + SMOOTHING * n
 
     def forget(self, request: Any) -> None:
         self.kept.pop(id(request), None)
