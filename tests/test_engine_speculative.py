@@ -119,3 +119,10 @@ def test_policy_rounds_where_they_pay_and_explores():
     for _ in range(10):  # requests whose rounds kept only their first token (text that does not repeat)
         lone.observe(2, True, 0.012, {id(Asked()): 1})
     assert not lone.choose(2, [Asked()])  # a new request starts where they left off (~1 token a round), not at 2
+    stale = Policy(Speculation(k=4))
+    stale.observe(2, False, 0.050, {})  # one plain step timed while the machine was busy
+    stale.observe(2, True, 0.012, {})
+    for _ in range(EXPLORE - 1):
+        assert stale.choose(2, one)
+        stale.observe(2, True, 0.012, {id(one[0]): 1})
+    assert not stale.choose(2, one)  # after EXPLORE rounds, a plain step is timed again

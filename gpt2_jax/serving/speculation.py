@@ -9,8 +9,9 @@ compute-bound and a round's k extra tokens per row cost nearly k extra steps. So
 seconds a step and a round take for each compiled row count, and for each row the tokens its rounds kept (an
 exponential average; a request new to speculation starts at the average over every round so far, OPTIMISTIC
 before the first). It runs a round when the rows' expected
-tokens per second beat a plain step's; where no round was timed yet, and every EXPLORE plain steps, it runs one
-anyway, so a workload whose text starts repeating itself is noticed.
+tokens per second beat a plain step's. Where no round was timed yet, and after EXPLORE plain steps, it runs a round
+anyway, so a workload whose text starts repeating itself is noticed; after EXPLORE rounds it runs a plain step,
+so a step timed once when the machine was busy does not keep rounds going that no longer pay.
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ class Policy:
         self.step: dict[int, float] = {}  # seconds of a plain step, by compiled row count
         self.round: dict[int, float] = {}  # seconds of a round, by compiled row count
         self.since: dict[int, int] = {}  # plain steps since the last round, by compiled row count
+        self.since_round: dict[int, int] = {}  # rounds since the last plain step, by compiled row count
         self.kept: dict[int, float] = {}  # tokens per round, by request (id of its Request)
         self.prior = OPTIMISTIC  # tokens per round over every request: where a new request starts
 
@@ -87,8 +89,8 @@ class Policy:
             return False
         if self.always:
             return True
-        if size not in self.step:
-            return False  # a plain step's time first: the yardstick
+        if size not in self.step or self.since_round.get(size, 0) >= EXPLORE:
+            return False  # a plain step's time first (the yardstick), and again every EXPLORE rounds
         if size not in self.round or self.since.get(size, 0) >= EXPLORE:
             return True
         expected = len(requests) - len(wanting) + sum(self.kept.get(id(r), self.prior) for r in wanting)
@@ -99,6 +101,7 @@ class Policy:
         table = self.round if speculated else self.step
         table[size] = seconds if size not in table else (1 - SMOOTHING) * table[size] + SMOOTHING * seconds
         self.since[size] = 0 if speculated else self.since.get(size, 0) + 1
+        self.since_round[size] = self.since_round.get(size, 0) + 1 if speculated else 0
         for rid, n in kept.items():
             self.kept[rid] = (1 - SMOOTHING) * self.kept.get(rid, self.prior) + SMOOTHING * n
             self.prior = (1 - SMOOTHING) * self.prior + SMOOTHING * n
