@@ -36,7 +36,7 @@ from gpt2_jax.serving.engine_programs import Name
 from gpt2_jax.serving.engine_rows import EngineRows
 from gpt2_jax.serving.memory import freeze_heap, release_free_memory, thaw_heap
 from gpt2_jax.serving.slots import Cancelled, QueueFull, Request, tell
-from gpt2_jax.serving.speculation import Speculation, check_draft
+from gpt2_jax.serving.speculation import Speculation
 
 DEFAULT_PREFILL_CHUNK = 32  # tokens per prefill chunk: bench/serve.py measures gaps and time to first token
 
@@ -57,8 +57,8 @@ class Engine:
                  speculation: Speculation | None = None):  # fmt: skip
         max_seq, num_blocks = check_settings(config, max_batch, max_queue, max_seq, num_blocks, prefill_chunk,
                                              max_constraint_states, constraint_classes)  # fmt: skip
-        if speculation is not None and speculation.draft is not None:
-            check_draft(config, speculation.draft, max_seq)
+        if speculation is not None:
+            speculation.check(config, max_seq)
         self.params, self.config, self.max_batch, self.max_queue = params, config, max_batch, max_queue
         self.max_seq, self.prefill_chunk, self.num_blocks = max_seq, prefill_chunk, num_blocks
         self.max_constraint_states, self.constraint_classes = max_constraint_states, constraint_classes

@@ -147,7 +147,7 @@ class EngineRows:
         if self.batch.draft_pool is not None:  # the draft model reads the same chunks into its pool
             spec = self.speculation
             assert spec is not None and spec.draft is not None, "a draft pool comes with a draft model"
-            self.batch.draft_pool = self.programs.draft(T, P)(spec.draft[0], self.batch.draft_pool, c.tables,
+            self.batch.draft_pool = self.programs.draft(T, P)(spec.draft_params, self.batch.draft_pool, c.tables,
                                                               c.tokens, c.start)  # fmt: skip
         logits = np.asarray(logits)  # on the host, a row of it is a view: slicing the device array would compile
         for i, b in enumerate(c.rows):

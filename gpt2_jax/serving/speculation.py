@@ -21,12 +21,12 @@ from typing import Any
 
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.errors import ConfigError
-from gpt2_jax.generation.speculative.speculator import MAX_SPECULATIVE
+from gpt2_jax.generation.speculative.speculator import PROMPT_LOOKUP, check_draft
 from gpt2_jax.model import Params
 
 WHEN = ("auto", "always")  # auto: the per-step choice in the module docstring; always: every step a round
 OPTIMISTIC = 2.0  # tokens a row new to speculation is expected to keep per round
-EXPLORE = 64  # plain steps (per row count) between two rounds tried again
+EXPLORE = 64  # plain steps (per row count) before a round is tried again, and rounds before a plain step
 SMOOTHING = 0.25  # weight of the newest measurement in the averages
 
 
@@ -40,9 +40,6 @@ class Speculation:
     when: str = "auto"
 
     def __post_init__(self):
-        k = self.k
-        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE:
-            raise ConfigError(f"num_speculative_tokens must be an int in [1, {MAX_SPECULATIVE}], got {k!r}")
         if self.when not in WHEN:
             raise ConfigError(f"speculation's when must be one of {WHEN}, got {self.when!r}")
 
@@ -54,20 +51,10 @@ class Speculation:
     def draft_config(self) -> GPT2Config | None:
         return None if self.draft is None else self.draft[1]
 
-    @property
-    def method(self) -> str:
-        return "prompt_lookup" if self.draft is None else "draft_model"
-
-
-def check_draft(config: GPT2Config, draft: tuple[Params, GPT2Config], max_seq: int) -> None:
-    """A draft model must share the target's vocabulary and position every token a request may hold."""
-    d = draft[1]
-    if (d.vocab_size, d.valid_vocab) != (config.vocab_size, config.valid_vocab):
-        raise ConfigError(f"the draft model's vocabulary ({d.vocab_size} ids, {d.valid_vocab} real) differs from the "
-                          f"target's ({config.vocab_size}, {config.valid_vocab}): a draft must share its tokenizer")  # fmt: skip
-    if d.n_positions < max_seq:
-        raise ConfigError(f"the draft model's context n_positions={d.n_positions} is shorter than the server's "
-                          f"max_seq={max_seq}")  # fmt: skip
+    def check(self, config: GPT2Config, max_seq: int) -> None:
+        """generate's checks of k and of the draft (speculative.speculator.check_draft: its vocabulary, its
+        context against max_seq, its params against its config)."""
+        check_draft(PROMPT_LOOKUP if self.draft is None else self.draft, config, self.k, max_seq)
 
 
 class Policy:
