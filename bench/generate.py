@@ -57,7 +57,7 @@ def sampler_top_p(jax, jnp, np, gpt2_jax, repeats: int) -> None:
     from pathlib import Path
 
     from gpt2_jax import sampling
-    from gpt2_jax.sampling.draw import inverse_cdf, sample_rows
+    from gpt2_jax.sampling.draw import exponential_clocks, race, sample_rows
     from gpt2_jax.sampling.filters import filter_scaled
     from gpt2_jax.sampling.metadata import row_settings
 
@@ -74,7 +74,7 @@ def sampler_top_p(jax, jnp, np, gpt2_jax, repeats: int) -> None:
         scaled = sampling.apply_temperature(logits, settings)
         kept = filter_scaled(scaled, settings) > -jnp.inf
         weight = jnp.where(kept, jnp.exp(scaled - scaled.max(-1, keepdims=True)), 0.0)
-        return inverse_cdf(weight, jax.vmap(jax.random.uniform)(keys)), kept.sum(-1)
+        return race(weight / exponential_clocks(keys, weight.shape[-1])), kept.sum(-1)
 
     same = (np.asarray(window(keys, logits, settings)) == np.asarray(full(keys, logits, settings)[0])).all()
     tw = best_of(lambda: window(keys, logits, settings).block_until_ready(), repeats + 2)

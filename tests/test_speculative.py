@@ -121,8 +121,8 @@ def test_statistics_follow_the_draft(target, drafts):
 
 def test_a_near_copy_draft_is_accepted_under_sampling(target, plain):
     """The target with 0.3% noise on every weight (total variation ~0.2% per token) as the draft, at
-    temperature 1: its coupled draws differ from the target's only where the two CDFs straddle the
-    shared uniform. This random model's most likely token has p < 0.07, so argmax proposals would be
+    temperature 1: its coupled draws share the target's exponential clocks, so they differ about as
+    often as the total variation. This random model's most likely token has p < 0.07, so argmax proposals would be
     kept about 7% of the time."""
     _, params, config = target
     leaves, tree = jax.tree.flatten(params)

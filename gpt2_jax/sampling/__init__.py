@@ -6,7 +6,7 @@ then one keyed draw per row; and constrained decoding.
   processors.py  the logits processors (bias, penalties, banned n-grams/words, min new tokens), their order;
                  process_logits
   filters.py     the reference: apply_temperature, top_k_mask, top_p_mask, filter_logits, next_token_probs
-  draw.py        the fast per-row programs (reusing those masks) and the path-independent inverse-CDF draw
+  draw.py        the fast per-row programs (reusing those masks) and the path-independent draw (an exponential race)
   constraints/   regex / choice / JSON schema -> a token automaton -> device tables
 """
 

@@ -2,18 +2,25 @@
 
 Every row takes the cheapest exact program for its own settings and logits (never its neighbours'):
   greedy       temperature 0: the argmax (first maximum), no random numbers.
-  plain        no top-k and top-p == 1: the inverse CDF over all V weights (min-p applied to them).
+  plain        no top-k and top-p == 1: the race over all V weights (min-p applied to them).
   window       top-k <= C - 1, or top-p alone whose nucleus lies inside the C largest candidates:
                top_k_mask / top_p_mask on those C candidates only (lax.top_k, no sort of V).
   full         anything else: filters.filter_scaled, one int32-key sort of V's values (no token ids).
 lax.cond skips a program that no row of the batch needs, so nothing recompiles, and since each row's
 token comes from its own program a row draws the same token whatever batch it is in.
 
-The draw itself is path-independent: inverse-CDF sampling with one uniform u per row (from that
-row's key) over token ids in increasing order, on unnormalised weights exp(scaled - row max) of the
-kept tokens: the first id whose cumulative weight exceeds u * total. Windows only decide which tokens
-are kept. A window's top-p normalises by the mass over all V, and adds the mass under the window to its
-cumulative sums; those double-float sums round like the full sort's except within ~2^-44 of a boundary.
+The draw itself is path-independent: an exponential race (the Gumbel-max trick). The row's key gives
+every token id its own clock E_id ~ Exp(1); over the kept tokens' unnormalised weights
+w = exp(scaled - row max) the token is argmax w / E (the first to ring of clocks E / w ~ Exp(w)), which
+is token i with probability w_i / sum(w). The score w / E is computed once for all V and every program
+only masks it, so windows only decide which tokens are kept. A window's top-p normalises by the mass
+over all V, and adds the mass under the window to its cumulative sums; those double-float sums round
+like the full sort's except within ~2^-44 of a boundary.
+
+Why a race and not an inverse CDF (one uniform over ids in increasing order): two distributions drawn
+with the same key then agree unless their races differ, about 1 - total variation when they are close.
+Speculative decoding's coupled draw (gpt2_jax.generation.speculative.propose) rests on that; with an
+inverse CDF they disagree wherever the shared uniform falls between the two CDFs at any of V ids.
 
 Shape legend: B batch, V vocab rows, C candidates.
 """
@@ -31,7 +38,6 @@ from gpt2_jax.kernels.invariance import min_rows, pad_rows
 from gpt2_jax.sampling.filters import (
     apply_temperature,
     checked_logits,
-    cumsum,
     filter_scaled,
     min_p_mask,
     top_k_mask,
@@ -40,23 +46,26 @@ from gpt2_jax.sampling.filters import (
 from gpt2_jax.sampling.metadata import RowSettings, row_keys, row_settings
 
 if TYPE_CHECKING:  # shapes as annotations only: jaxtyping is not a runtime dependency
-    from jaxtyping import Array, Float, Int
+    from jaxtyping import Array, Float, Int, Key
 
 CANDIDATES = 1024  # C: the window; top_k <= C - 1 always fits it, a top-p nucleus often does
 
 
-def inverse_cdf(w: jax.Array, u: jax.Array) -> jax.Array:
-    """Weights w [B, N] >= 0 in increasing-id order, uniforms u [B] in [0, 1) -> [B] int32 position of
-    the first weight whose cumulative sum exceeds u * total. Zero weights are never chosen."""
-    n = w.shape[-1]
-    cum = cumsum(w)  # double-float: the rounded prefix sums barely depend on how zeros interleave
-    pos = w > 0
-    # total = the largest positive-weight prefix, so a positive weight always has cum > u * total:
-    # float32 u <= 1 - 2^-23 makes u * total < total.
-    total = jnp.max(jnp.where(pos, cum, 0.0), axis=-1)
-    hit = pos & (cum > (u * total)[:, None])
-    first = jnp.min(jnp.where(hit, jnp.arange(n, dtype=jnp.int32), n), axis=-1)
-    return jnp.minimum(first, n - 1)  # only NaN logits leave no hit; keep the index in range anyway
+def exponential_clocks(keys: Key[Array, " B"], v: int) -> Float[Array, "B V"]:
+    """One key per row -> E [B, V] iid Exp(1), each row's from its key alone: -log u with u = (m + 1/2) 2^-23
+    from 23 random bits m, so 0 < u < 1 and E is finite and positive (E = 0 would make a zero weight's
+    score 0 / 0). Drawn as [16, V / 16] per key: XLA's CPU threads split the outer axis of one key's
+    threefry, not a flat [V]'s (several times faster)."""
+    n = -(-v // 16)
+    bits = jax.vmap(lambda k: jax.random.bits(k, (16, n), jnp.uint32).reshape(-1)[:v])(keys)
+    u = (bits >> 9).astype(jnp.float32) * jnp.float32(2.0**-23) + jnp.float32(2.0**-24)  # exact: 24 bits
+    return -jnp.log(u)
+
+
+def race(score: Float[Array, "B N"]) -> Int[Array, " B"]:
+    """Scores w / E [B, N] >= 0 (0 where a token is not kept) -> [B] int32 position of the winner: the first
+    maximum, so among exact ties the smallest id wins on every program (candidates are in id order)."""
+    return argmax(score)
 
 
 def argmax(x: jax.Array) -> jax.Array:
@@ -73,7 +82,7 @@ def argmax(x: jax.Array) -> jax.Array:
     return ffi.argmax(x, reductions) if ffi.fits(x) else reductions(x)
 
 
-def _window(scaled, weight, u, settings, k, use_k, use_p):
+def _window(scaled, weight, score, settings, k, use_k, use_p):
     """The window program for every row -> (token [B], exact [B]: whether the window decides this row)."""
     b, v = scaled.shape
     c = min(CANDIDATES, v)
@@ -97,8 +106,9 @@ def _window(scaled, weight, u, settings, k, use_k, use_p):
     fits_p = use_k | (c == v) | (below <= settings.top_p_drop)
     ids, keep = jax.lax.sort((ids, keep), dimension=-1, num_keys=1)  # increasing id order
     w = jnp.where(keep, jnp.take_along_axis(weight, ids, axis=-1), 0.0)
-    w = jnp.where(min_p_mask(w, settings.min_p), w, 0.0)
-    token = jnp.take_along_axis(ids, inverse_cdf(w, u)[:, None], axis=-1)[:, 0]
+    keep = keep & min_p_mask(w, settings.min_p)
+    token = jnp.take_along_axis(ids, race(jnp.where(keep, jnp.take_along_axis(score, ids, axis=-1), 0.0))[:, None], -1)
+    token = token[:, 0]
     return token, (use_k | use_p) & fits_k & fits_p
 
 
@@ -133,20 +143,21 @@ def sample_rows(keys: jax.Array, logits: jax.Array, settings: RowSettings, n_val
     # One materialised array for every program: XLA may contract x / t into an FMA inside a consumer
     # fusion, so per-program recomputations could disagree in the last bit.
     scaled = jax.lax.optimization_barrier(apply_temperature(logits, settings, n_valid))
-    u = jax.vmap(jax.random.uniform)(keys)  # one float32 in [0, 1) per row
     zeros = jnp.zeros(rows, jnp.int32)
 
     def sampled():  # every program but greedy's: only run when some row samples
         weight = jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True))  # the conds' operand: one array for all
-        plain_weight = lambda: jnp.where(min_p_mask(weight, settings.min_p), weight, 0.0)
-        full_plain = jax.lax.cond(jnp.any(plain), lambda: inverse_cdf(plain_weight(), u), lambda: zeros)
-        win, exact = jax.lax.cond(jnp.any(use_k | use_p), lambda: _window(scaled, weight, u, settings, k, use_k, use_p),
+        # The race's scores, materialised once like weight: every program masks these very bits.
+        score = jax.lax.optimization_barrier(weight / exponential_clocks(keys, v))
+        plain_score = lambda: jnp.where(min_p_mask(weight, settings.min_p), score, 0.0)
+        full_plain = jax.lax.cond(jnp.any(plain), lambda: race(plain_score()), lambda: zeros)
+        win, exact = jax.lax.cond(jnp.any(use_k | use_p), lambda: _window(scaled, weight, score, settings, k, use_k, use_p),
                                   lambda: (zeros, jnp.zeros(rows, bool)))  # fmt: skip
         need_full = ~greedy & ~plain & ~exact
 
         def full():
             kept = filter_scaled(scaled, settings) > -jnp.inf
-            return inverse_cdf(jnp.where(kept, weight, 0.0), u)
+            return race(jnp.where(kept, score, 0.0))
 
         full_tok = jax.lax.cond(jnp.any(need_full), full, lambda: zeros)
         return jnp.where(plain, full_plain, jnp.where(exact, win, full_tok))

@@ -10,12 +10,11 @@
 
 The coupled draw: the draft draws d_j exactly as verification will draw x_j at that position, the
 same key fold_in(row_key, p + j), settings, processors over the history extended by d_1..d_{j-1}, and
-constraint automaton advanced by them (decode.draw on the draft's logits). The draw is an inverse CDF
-over token ids with that key's one uniform u, so both pick the first id whose cumulative probability
-exceeds u: they differ only when u falls between the draft's and the target's CDF at some id. That
-is rare when the kept mass sits on a few tokens (top-k, top-p, a confident model), since each CDF gap
-is at most the total variation; over a flat distribution on many ids the gaps at every id add up, and
-the draws agree far less often. Greedy rows (no uniform) get the argmax of the processed draft logits.
+constraint automaton advanced by them (decode.draw on the draft's logits). The draw is an exponential
+race over token ids (gpt2_jax.sampling.draw): the argmax of w / E with one clock E ~ Exp(1) per id from
+that key, so the two races share their clocks and pick the same token at least (1 - TV) / (1 + TV) of
+the time for total variation TV, however the mass is spread. Greedy rows get the argmax of the
+processed draft logits.
 An argmax proposal would instead be kept only when the target happens to sample its own argmax.
 
 Shape legend: B rows, S cache slots, k proposed tokens, V vocab.
