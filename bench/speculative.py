@@ -3,6 +3,9 @@ gpt2-small widths, one run, the same weights in both libraries.
 
     python bench/speculative.py [--new 128] [--k 4,8] [--repeats 3] [--damp 0.02] [--cases draft,sampled,lookup]
 
+--damp sets how well the draft agrees (it prints the total variation between the two models' distributions at
+temperature 1): 0.02 gives about 1.5e-2, 0.001 about the 7e-4 of issue 49's draft.
+
 The models (random weights, built honestly so that a small draft agrees with the target):
 - target: transformers' random GPT-2 (12 layers, 768 wide), then the output projections (attn.c_proj,
   mlp.c_proj: weights and biases) of layers 1..11 multiplied by --damp, so those layers barely change
@@ -15,8 +18,8 @@ Inputs: a 32-token random prompt for the draft model, greedy and sampled (temper
 top-p, in transformers too: top_k=0); for prompt lookup, that prompt followed by the target's own
 128-token greedy continuation (a random model's greedy text falls into a loop, so the model goes on by
 copying what is already in its input), greedy. 128 new tokens, eos off. Sampled rows keep plain
-decoding's tokens too: the draft proposes with the target's own draw (same key, same uniform), so it
-loses a proposal only where the two models' CDFs straddle that uniform. transformers' sampled assisted
+decoding's tokens too: the draft proposes with the target's own draw (same key, so the same exponential
+race clocks), so it loses a proposal about as often as the two models' total variation. transformers' sampled assisted
 generation keeps the distribution instead (its own ratio test), so its tokens differ from its plain run.
 
 Time per token = (t(new) - t(1 new)) / (new - 1): the prompt pass cancels. A round is one target
@@ -117,6 +120,23 @@ def main() -> None:
     if unknown:
         parser.error(f"--cases: unknown {sorted(unknown)}, choose among {sorted(cases)}")
     cases = {name: cases[name] for name in args.cases.split(",")}
+
+    def softmax64(logits):
+        x = np.asarray(logits, np.float64)
+        x = np.exp(x - x.max(-1, keepdims=True))
+        return x / x.sum(-1, keepdims=True)
+
+    # How well the draft agrees, along the target's own sampled text: the per-position total variation between the
+    # two next-token distributions at temperature 1, and how often their argmaxes agree.
+    text = prompt + gpt2_jax.generate(params, config, [prompt], jax.random.key(0), max_new_tokens=n,
+                                      temperature=1.0, eos_id=None).tokens[0].tolist()  # fmt: skip
+    p, q = (softmax64(gpt2_jax.forward(pp, [text], c)[0, PROMPT - 1 :]) for pp, c in ((params, config), draft))
+    tv = 0.5 * np.abs(p - q).sum(-1)
+    same_argmax = (p.argmax(-1) == q.argmax(-1)).mean()
+    print(
+        f"draft vs target at temperature 1: total variation mean {tv.mean():.2e} (median {np.median(tv):.2e}), "
+        f"argmax agreement {same_argmax:.1%}, target's top probability median {np.median(p.max(-1)):.2e}"
+    )
 
     def ours(tokens, temperature, **kw):
         def make(m):
