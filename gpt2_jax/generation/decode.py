@@ -21,14 +21,14 @@ from gpt2_jax.model.gpt2 import forward_cached
 from gpt2_jax.model.kv_cache import KVCache, init_cache
 from gpt2_jax.model.params import Params, float_dtype
 from gpt2_jax.sampling.constraints.tables import ConstraintTables, advance, allowed
-from gpt2_jax.sampling.draw import log_probs, sample_rows, token_logprobs
+from gpt2_jax.sampling.draw import exponential_clocks, log_probs, sample_rows, samples, token_logprobs
 from gpt2_jax.sampling.metadata import RowSettings
 from gpt2_jax.sampling.processors import ProcessorSettings, ProcessorState, apply_processors
 from gpt2_jax.sampling.processors import init_state as init_processor_state
 from gpt2_jax.sampling.processors import update_state as update_processor_state
 
 if TYPE_CHECKING:  # shapes as annotations only: jaxtyping is not a runtime dependency
-    from jaxtyping import Array, Bool, Int
+    from jaxtyping import Array, Bool, Float, Int
 
 
 class StopRule(NamedTuple):
@@ -104,15 +104,16 @@ def _allowed(rules: Rules, state: DecodeState) -> jax.Array:
                         lambda: jnp.ones(state.logits.shape, bool))  # fmt: skip
 
 
-def draw(state: DecodeState, rules: Rules, n_valid: int, r: int = 0) -> tuple[DecodeState, Step]:
-    """Process and sample each row's next token -> (state with done/fill/history updated, the Step)."""
+def draw(state: DecodeState, rules: Rules, n_valid: int, r: int = 0, clocks=None) -> tuple[DecodeState, Step]:
+    """Process and sample each row's next token -> (state with done/fill/history updated, the Step). clocks:
+    the draw's exponential clocks [B, V] made beforehand (draw_clocks), or None to make them here."""
     keys = jax.vmap(jax.random.fold_in)(state.keys, state.cache.lengths)  # the drawn token's position
     stop = rules.stop
     stops = jnp.concatenate([stop.eos_id[:, None], stop.stop_ids], axis=1)  # [B, 1 + MAX_STOP_IDS]
     length = state.cache.lengths
     logits = apply_processors(state.logits, rules.processors, state.history, length, state.generated, stops,
                               _allowed(rules, state))  # fmt: skip
-    token = sample_rows(keys, logits, rules.settings, n_valid)
+    token = sample_rows(keys, logits, rules.settings, n_valid, clocks)
     logprob = token_logprobs(state.logits, token)
     live = ~state.done
     history = update_processor_state(state.history, token, length, live)
@@ -126,6 +127,16 @@ def draw(state: DecodeState, rules: Rules, n_valid: int, r: int = 0) -> tuple[De
     state = state._replace(done=state.done | ends, fill=fill, generated=state.generated + live.astype(jnp.int32),
                            history=history, automaton=automaton)  # fmt: skip
     return state, Step(token, logprob, top_ids, top_lp)
+
+
+def draw_clocks(state: DecodeState, rules: Rules, positions: Int[Array, "N B"], v: int) -> Float[Array, "N B V"]:
+    """The exponential clocks draw makes at each of N positions per row [N, B] (for speculative decoding, whose
+    draft and check draw at the same positions with the same keys): made once, and only when some row samples
+    (zeros otherwise, never read)."""
+    keys = jax.vmap(lambda p: jax.vmap(jax.random.fold_in)(state.keys, p))(positions)  # [N, B]
+    shape = (*positions.shape, v)
+    return jax.lax.cond(samples(rules.settings), lambda: jax.vmap(lambda k: exponential_clocks(k, v))(keys),
+                        lambda: jnp.zeros(shape, jnp.float32))  # fmt: skip
 
 
 def feed(params: Params, state: DecodeState, token: jax.Array, config: GPT2Config, hooks=None) -> DecodeState:

@@ -127,12 +127,20 @@ def row_programs(settings: RowSettings, v: int, n_valid: int | None = None) -> j
     return jnp.where(greedy, GREEDY, jnp.where(no_k & no_p, PLAIN, jnp.where(window, WINDOW, FULL))).astype(jnp.int32)
 
 
-def sample_rows(keys: jax.Array, logits: jax.Array, settings: RowSettings, n_valid: int | None = None) -> jax.Array:
+def samples(settings: RowSettings) -> jax.Array:
+    """[] bool: whether some row samples (is not greedy), the condition under which a draw makes clocks."""
+    return jnp.any(settings.temperature != 0)
+
+
+def sample_rows(keys: jax.Array, logits: jax.Array, settings: RowSettings, n_valid: int | None = None,
+                clocks: jax.Array | None = None) -> jax.Array:  # fmt: skip
     """One key per row [B], logits [B, V] -> tokens [B] int32, each row from softmax(filter_logits(...))
-    (greedy rows: the argmax); no checks, jit/scan-safe. See the module docstring for the programs."""
+    (greedy rows: the argmax); no checks, jit/scan-safe. See the module docstring for the programs.
+    clocks: exponential_clocks(keys, V) made beforehand, for a caller that draws twice with the same keys
+    (speculative decoding's draft and check); read only when samples(settings)."""
     b, v = logits.shape
     rows = min_rows(b, v)  # reductions round alike for 1 row or many (see gpt2_jax.kernels.invariance)
-    keys, logits, settings = jax.tree.map(lambda x: pad_rows(x, rows), (keys, logits, settings))
+    keys, logits, settings, clocks = jax.tree.map(lambda x: pad_rows(x, rows), (keys, logits, settings, clocks))
     program = row_programs(settings, v, n_valid)
     greedy, plain = program == GREEDY, program == PLAIN
     nv = v if n_valid is None else min(n_valid, v)
@@ -148,7 +156,7 @@ def sample_rows(keys: jax.Array, logits: jax.Array, settings: RowSettings, n_val
     def sampled():  # every program but greedy's: only run when some row samples
         weight = jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True))  # the conds' operand: one array for all
         # The race's scores, materialised once like weight: every program masks these very bits.
-        score = jax.lax.optimization_barrier(weight / exponential_clocks(keys, v))
+        score = jax.lax.optimization_barrier(weight / (exponential_clocks(keys, v) if clocks is None else clocks))
         plain_score = lambda: jnp.where(min_p_mask(weight, settings.min_p), score, 0.0)
         full_plain = jax.lax.cond(jnp.any(plain), lambda: race(plain_score()), lambda: zeros)
         win, exact = jax.lax.cond(jnp.any(use_k | use_p), lambda: _window(scaled, weight, score, settings, k, use_k, use_p),
@@ -162,7 +170,7 @@ def sample_rows(keys: jax.Array, logits: jax.Array, settings: RowSettings, n_val
         full_tok = jax.lax.cond(jnp.any(need_full), full, lambda: zeros)
         return jnp.where(plain, full_plain, jnp.where(exact, win, full_tok))
 
-    token = jnp.where(greedy, argmax(scaled), jax.lax.cond(jnp.any(~greedy), sampled, lambda: zeros))
+    token = jnp.where(greedy, argmax(scaled), jax.lax.cond(samples(settings), sampled, lambda: zeros))
     return token[:b].astype(jnp.int32)
 
 

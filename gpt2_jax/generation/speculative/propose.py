@@ -78,13 +78,19 @@ def draft_prefill(
 
 
 def coupled_draw(
-    state: DecodeState, rules: Rules, logits: Float[Array, "B V"], position: Int[Array, " B"], n_valid: int
+    state: DecodeState,
+    rules: Rules,
+    logits: Float[Array, "B V"],
+    position: Int[Array, " B"],
+    n_valid: int,
+    clocks: Float[Array, "B V"] | None = None,
 ) -> tuple[DecodeState, Int[Array, " B"]]:
     """The draw the target makes at `position` [B] (its key, settings, processors, automaton, from
     `state`'s keys, history, automaton and counts), made on the draft's logits [B, V] -> (state with
-    the token recorded, token [B]). The state carries no cache; its logits are left as they were."""
+    the token recorded, token [B]). The state carries no cache; its logits are left as they were.
+    clocks: that draw's exponential clocks (decode.draw_clocks), shared with the check's draw."""
     view = state._replace(logits=logits, cache=KVCache(None, None, position))  # pyright: ignore[reportArgumentType]
-    drawn, step = draw(view, rules, n_valid)
+    drawn, step = draw(view, rules, n_valid, clocks=clocks)
     return drawn._replace(logits=state.logits, cache=None), step.token
 
 
@@ -97,23 +103,30 @@ def draft_propose(
     token: Int[Array, " B"],
     k: int,
     draft_config: GPT2Config,
+    clocks: Float[Array, "k B V"] | None = None,
 ) -> tuple[Int[Array, "B k"], KVCache]:
     """The draft's k coupled draws [B, k] after the row's accepted tokens, ending (prev at slot p - 1,
     token at p), p = state.cache.lengths [B]: `state` is the decode state once `token` is drawn at p
     (its history, counts and automaton hold it), so d_j is drawn at p + j. prev is fed again each
     round: its slot may hold a proposal the target did not take or nothing yet (when the previous
     round's k proposals were all accepted), and feeding the same token at the same slot again writes
-    the same K/V. Slots past p + k hold stale guesses that the cache's lengths mask."""
+    the same K/V. Slots past p + k hold stale guesses that the cache's lengths mask. clocks: the k draws'
+    exponential clocks (decode.draw_clocks at p + 1 .. p + k), or None to make them in each draw."""
     p, nv = state.cache.lengths, draft_config.valid_vocab
     logits, cache = forward_cached(draft_params, jnp.stack([prev, token], 1), cache._replace(lengths=p - 1),
                                    draft_config, last=jnp.ones_like(p))  # fmt: skip
-    s, first = coupled_draw(state._replace(cache=None), rules, logits[:, 0], p + 1, nv)  # the scan carries no cache
+    at = (lambda j: None) if clocks is None else (lambda j: clocks[j - 1])
+    s, first = coupled_draw(
+        state._replace(cache=None), rules, logits[:, 0], p + 1, nv, at(1)
+    )  # the scan carries no cache
 
-    def step(carry, j):
+    def step(carry, xs):
         cache, s, tok = carry
+        j, clock = xs
         logits, cache = forward_cached(draft_params, tok[:, None], cache, draft_config)
-        s, nxt = coupled_draw(s, rules, logits[:, 0], p + j, nv)
+        s, nxt = coupled_draw(s, rules, logits[:, 0], p + j, nv, clock)
         return (cache, s, nxt), nxt
 
-    (cache, _, _), rest = jax.lax.scan(step, (cache, s, first), jnp.arange(2, k + 1, dtype=jnp.int32))
+    js = jnp.arange(2, k + 1, dtype=jnp.int32)
+    (cache, _, _), rest = jax.lax.scan(step, (cache, s, first), (js, None if clocks is None else clocks[1:]))
     return jnp.concatenate([first[:, None], rest.T], axis=1), cache

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from gpt2_jax.config import GPT2Config
-from gpt2_jax.generation.decode import DecodeState, Rules, Step, draw, empty_steps, fill_after
+from gpt2_jax.generation.decode import DecodeState, Rules, Step, draw, draw_clocks, empty_steps, fill_after
 from gpt2_jax.generation.speculative.propose import draft_prefill, draft_propose, prompt_lookup
 from gpt2_jax.model.axes import replicate
 from gpt2_jax.model.gpt2 import forward_cached
@@ -71,27 +71,31 @@ def speculate_round(params: Params, draft_params: Params | None, state: DecodeSt
     s0, step0 = draw(state, rules, config.valid_vocab, r)
     s = _commit(active, s0, state)
     rows = jnp.arange(base.shape[0])
+    clocks = None  # the draws' exponential clocks at p+1..p+k: a draft model's draw j and the check's share them
     if draft_config is None:
         guess = prompt_lookup(s.history.history, base + 1, k)
     else:
         assert draft_params is not None and dcache is not None, "a draft model comes with its params and cache"
+        clocks = draw_clocks(
+            state, rules, base[None] + jnp.arange(1, k + 1, dtype=jnp.int32)[:, None], config.vocab_size
+        )
         prev = s.history.history[rows, base - 1]
-        guess, dcache = draft_propose(draft_params, dcache, s, rules, prev, step0.token, k, draft_config)
+        guess, dcache = draft_propose(draft_params, dcache, s, rules, prev, step0.token, k, draft_config, clocks)
     logits, cache = forward_cached(params, jnp.concatenate([step0.token[:, None], guess], 1), state.cache, config,
                                    hooks=hooks)  # fmt: skip
 
     def check(carry, xs):
         s, ok, kept = carry
-        logits_j, guess_j, j = xs
+        logits_j, guess_j, j, clock = xs
         # draw reads only the lengths: the view holds no K/V (None), so the scan carries no cache
         view = s._replace(logits=logits_j, cache=KVCache(None, None, base + j))  # pyright: ignore[reportArgumentType]
-        sj, step = draw(view, rules, config.valid_vocab, r)
+        sj, step = draw(view, rules, config.valid_vocab, r, clock)
         take = ok & (step.token == guess_j) & (state.generated + j < until)
         return (_commit(take, sj, s), take & ~sj.done, kept + take), step
 
     small = s._replace(cache=None)  # the scan carries no cache
     ok = active & ~s.done
-    xs = (jnp.swapaxes(logits[:, :k], 0, 1), guess.T, jnp.arange(1, k + 1, dtype=jnp.int32))
+    xs = (jnp.swapaxes(logits[:, :k], 0, 1), guess.T, jnp.arange(1, k + 1, dtype=jnp.int32), clocks)
     (s, _, kept), steps = jax.lax.scan(check, (small, ok, active.astype(jnp.int32)), xs)
     last = jnp.take_along_axis(logits, jnp.maximum(kept - 1, 0)[:, None, None], axis=1)[:, 0]
     s = s._replace(logits=jnp.where(active[:, None], last, state.logits),
