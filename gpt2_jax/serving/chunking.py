@@ -7,6 +7,9 @@ that the wait stays a fraction of a step while prompts still get in as fast as t
   many rows decode    one more prompt's chunk for every ROWS_PER_CHUNK decoding rows, in one batched forward (up
                       to PROMPTS_PER_STEP): a step over many rows costs enough that the chunks are a small part
                       of it, and when many streams are running, their next prompts arrive that much faster.
+  speculative rounds  those chunks times the tokens a row kept per step at the last step: a round keeps several
+                      tokens per row and lasts as long, so prompts go in at the pace tokens come out, as with
+                      plain steps (one chunk per round would leave the waiting prompts k + 1 times slower).
 Every prompt's K/V and logits are the same bits whatever the chunks it was cut into and whatever other prompts
 shared its forward (the model's batch invariance), so this decides speed only.
 
@@ -33,15 +36,17 @@ class Chunk(NamedTuple):
     taken: np.ndarray  # [P] int32: the prompt tokens of each row in the chunk (the rest is padding)
 
 
-def plan(waiting: list[tuple[int, list, int]], decoding: int, chunk: int, programs: Any) -> tuple[int, int]:
-    """waiting: (row, prompt, tokens already in) in admission order, at least one -> (P prompts, T tokens)."""
+def plan(waiting: list[tuple[int, list, int]], decoding: int, chunk: int, programs: Any,
+         per_row: float = 1.0) -> tuple[int, int]:  # fmt: skip
+    """waiting: (row, prompt, tokens already in) in admission order, at least one; decoding rows; per_row: the
+    tokens each decoding row kept at the last step (1 for a plain step) -> (P prompts, T tokens)."""
     _, prompt, done = waiting[0]
     left = len(prompt) - done
     if decoding == 0 and left > chunk:
         T = programs.idle_chunk(left)
         if T is not None:
             return 1, T
-    want = min(len(waiting), max(1, decoding // ROWS_PER_CHUNK))
+    want = min(len(waiting), round(max(1, decoding // ROWS_PER_CHUNK) * max(per_row, 1.0)))
     P = max(p for p in PROMPTS_PER_STEP if p <= want and (p == 1 or programs.prefill_built(chunk, p)))
     return P, (chunk if P > 1 else bucket(min(left, chunk), chunk))
 

@@ -250,8 +250,11 @@ class EnginePrograms:
         return sorted({bucket(n, chunk) for n in range(1, chunk + 1)})
 
     def prompt_buckets(self) -> list[int]:
-        """The batched chunk sizes (prompts per chunk, past 1) that max_batch rows can use (serving.chunking)."""
-        return [p for p in PROMPTS_PER_STEP if 1 < p and p * ROWS_PER_CHUNK <= self.shapes.max_batch]
+        """The batched chunk sizes (prompts per chunk, past 1) that max_batch rows can use (serving.chunking; a
+        speculative round's rows count k + 1 times)."""
+        spec = self.shapes.speculation
+        reach = self.shapes.max_batch * (1 if spec is None else spec.k + 1)
+        return [p for p in PROMPTS_PER_STEP if 1 < p and p * ROWS_PER_CHUNK <= reach]
 
     def idle_buckets(self) -> list[int]:
         """The chunk sizes past prefill_chunk that a prompt takes while no row decodes (idle_chunk)."""

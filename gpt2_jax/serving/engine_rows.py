@@ -50,6 +50,7 @@ class EngineRows:
         self.constraint_sizes = (max_constraint_states, constraint_classes)
         self.slots: list[Slot | None] = [None] * max_batch
         self.generated_tokens = self.prefill_tokens = self.admitted = 0
+        self.per_row = 1.0  # tokens each decoding row kept at the last step: the prompt chunks' pace (chunking.plan)
         self.reset()
         b = self.batch
         shapes = Shapes(params, config, b.state_spec, b.rules_spec, max_batch, max_seq, prefill_chunk,
@@ -140,7 +141,8 @@ class EngineRows:
             return False
         slots = {b: s for _, b in order if (s := self.slots[b]) is not None}
         waiting = [(b, s.request.prompt, s.prefilled) for b, s in slots.items()]
-        P, T = chunking.plan(waiting, sum(s.decoding for s in self.active()), self.prefill_chunk, self.programs)
+        P, T = chunking.plan(waiting, sum(s.decoding for s in self.active()), self.prefill_chunk, self.programs,
+                             self.per_row)  # fmt: skip
         c = chunking.build(waiting, [self._table(s) for s in slots.values()], P, T)
         self.batch.state, logits = self.programs.prefill(T, P)(self.params, self.batch.state, c.tables, c.tokens,
                                                                c.start, c.taken - 1)  # fmt: skip
@@ -197,6 +199,7 @@ class EngineRows:
         token, logprob = np.asarray(out.token), np.asarray(out.logprob)
         top_ids, top_lp = np.asarray(out.top_ids), np.asarray(out.top_logprobs)
         self._observe(rows, slots, kept, time.perf_counter() - t, token.shape[1] > 1)
+        self.per_row = float(np.mean([kept[b] for b, _ in slots])) if slots else 1.0  # chunking's pace
         done = np.asarray(self.batch.state.done)
         ended: list[Ended] = []
         for b, slot in slots:
