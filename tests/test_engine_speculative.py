@@ -119,6 +119,11 @@ def test_policy_rounds_where_they_pay_and_explores():
     for _ in range(10):  # requests whose rounds kept only their first token (text that does not repeat)
         lone.observe(2, True, 0.012, {id(Asked()): 1})
     assert not lone.choose(2, [Asked()])  # a new request starts where they left off (~1 token a round), not at 2
+    noisy = Policy(Speculation(k=4))  # nothing is ever accepted, and noise once timed a round under a step
+    noisy.observe(2, False, 0.010, {})
+    for _ in range(20):
+        noisy.observe(2, True, 0.0098, {id(Asked()): 1})
+    assert not noisy.choose(2, [Asked()])  # a round that keeps one token is a dearer step: not taken (MARGIN)
     stale = Policy(Speculation(k=4))
     stale.observe(2, False, 0.050, {})  # one plain step timed while the machine was busy
     stale.observe(2, True, 0.012, {})
@@ -126,3 +131,27 @@ def test_policy_rounds_where_they_pay_and_explores():
         assert stale.choose(2, one)
         stale.observe(2, True, 0.012, {id(one[0]): 1})
     assert not stale.choose(2, one)  # after EXPLORE rounds, a plain step is timed again
+
+
+class _Built:
+    """chunking.plan's view of the programs: no idle chunk, every batched chunk built."""
+
+    def idle_chunk(self, left):
+        return None
+
+    def prefill_built(self, T, P):
+        return True
+
+
+@pytest.mark.parametrize(
+    "decoding, per_row, waiting, expect",
+    [(8, 1.0, 5, 1), (32, 1.0, 5, 2), (8, 4.9, 5, 4), (8, 4.9, 3, 2), (8, 2.0, 5, 2), (8, 0.5, 5, 1)],
+)
+def test_prompt_chunks_keep_pace_with_the_tokens_a_round_keeps(decoding, per_row, waiting, expect):
+    """serving.chunking.plan: a plain step over fewer than 16 rows takes one prompt chunk, 32 rows two; after a round
+    that kept 4.9 tokens a row, about 5 times as many (capped at the 4 prompts compiled, and at those waiting), so
+    prompts go in at the pace tokens come out. Never fewer than a plain step's."""
+    from gpt2_jax.serving import chunking
+
+    prompts = [(b, list(range(100)), 0) for b in range(waiting)]
+    assert chunking.plan(prompts, decoding, 32, _Built(), per_row) == (expect, 32)

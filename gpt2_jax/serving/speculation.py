@@ -9,7 +9,9 @@ compute-bound and a round's k extra tokens per row cost nearly k extra steps. So
 seconds a step and a round take for each compiled row count, and for each row the tokens its rounds kept (an
 exponential average; a request new to speculation starts at the average over every round so far, OPTIMISTIC
 before the first). It runs a round when the rows' expected
-tokens per second beat a plain step's. Where no round was timed yet, and after EXPLORE plain steps, it runs a round
+tokens per second beat a plain step's by MARGIN: both times are averages of noisy measurements, and a round that
+keeps only its first token is a plain step that costs more, so without a margin rows with nothing to propose
+would flip into rounds whenever the noise made a round look as cheap as a step. Where no round was timed yet, and after EXPLORE plain steps, it runs a round
 anyway, so a workload whose text starts repeating itself is noticed; after EXPLORE rounds it runs a plain step,
 so a step timed once when the machine was busy does not keep rounds going that no longer pay.
 """
@@ -28,6 +30,7 @@ WHEN = ("auto", "always")  # auto: the per-step choice in the module docstring; 
 OPTIMISTIC = 2.0  # tokens a row new to speculation is expected to keep per round
 EXPLORE = 64  # plain steps (per row count) before a round is tried again, and rounds before a plain step
 SMOOTHING = 0.25  # weight of the newest measurement in the averages
+MARGIN = 1.05  # a round must promise this many times a plain step's tokens per second
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +84,7 @@ class Policy:
         if size not in self.round or self.since.get(size, 0) >= EXPLORE:
             return True
         expected = len(requests) - len(wanting) + sum(self.kept.get(id(r), self.prior) for r in wanting)
-        return expected / self.round[size] > len(requests) / self.step[size]
+        return expected / self.round[size] > MARGIN * len(requests) / self.step[size]
 
     def observe(self, size: int, speculated: bool, seconds: float, kept: dict[int, int]) -> None:
         """A step over `size` rows took `seconds`; kept: tokens each speculating request kept (a round only)."""
