@@ -28,7 +28,7 @@ from gpt2_jax.sampling.processors import init_state as init_processor_state
 from gpt2_jax.sampling.processors import update_state as update_processor_state
 
 if TYPE_CHECKING:  # shapes as annotations only: jaxtyping is not a runtime dependency
-    from jaxtyping import Array, Bool, Float, Int
+    from jaxtyping import Array, Bool, Float, Int, Key
 
 
 class StopRule(NamedTuple):
@@ -104,10 +104,15 @@ def _allowed(rules: Rules, state: DecodeState) -> jax.Array:
                         lambda: jnp.ones(state.logits.shape, bool))  # fmt: skip
 
 
+def position_keys(keys: Key[Array, " B"], positions: Int[Array, " B"]) -> Key[Array, " B"]:
+    """Each row's key for the token drawn at its position: fold_in(row key, position)."""
+    return jax.vmap(jax.random.fold_in)(keys, positions)
+
+
 def draw(state: DecodeState, rules: Rules, n_valid: int, r: int = 0, clocks=None) -> tuple[DecodeState, Step]:
     """Process and sample each row's next token -> (state with done/fill/history updated, the Step). clocks:
     the draw's exponential clocks [B, V] made beforehand (draw_clocks), or None to make them here."""
-    keys = jax.vmap(jax.random.fold_in)(state.keys, state.cache.lengths)  # the drawn token's position
+    keys = position_keys(state.keys, state.cache.lengths)  # the drawn token's position
     stop = rules.stop
     stops = jnp.concatenate([stop.eos_id[:, None], stop.stop_ids], axis=1)  # [B, 1 + MAX_STOP_IDS]
     length = state.cache.lengths
@@ -133,7 +138,7 @@ def draw_clocks(state: DecodeState, rules: Rules, positions: Int[Array, "N B"], 
     """The exponential clocks draw makes at each of N positions per row [N, B] (for speculative decoding, whose
     draft and check draw at the same positions with the same keys): made once, and only when some row samples
     (zeros otherwise, never read)."""
-    keys = jax.vmap(lambda p: jax.vmap(jax.random.fold_in)(state.keys, p))(positions)  # [N, B]
+    keys = jax.vmap(lambda p: position_keys(state.keys, p))(positions)  # [N, B]: the keys draw would use
     shape = (*positions.shape, v)
     return jax.lax.cond(samples(rules.settings), lambda: jax.vmap(lambda k: exponential_clocks(k, v))(keys),
                         lambda: jnp.zeros(shape, jnp.float32))  # fmt: skip

@@ -8,11 +8,10 @@ step reads every weight for one token and a round reads them once for up to k + 
 compute-bound and a round's k extra tokens per row cost nearly k extra steps. So the engine measures both: the
 seconds a step and a round take for each compiled row count, and for each row the tokens its rounds kept (an
 exponential average; a request new to speculation starts at the average over every round so far, OPTIMISTIC
-before the first). It runs a round when the rows' expected
-tokens per second beat a plain step's by MARGIN: both times are averages of noisy measurements, and a round that
-keeps only its first token is a plain step that costs more, so without a margin rows with nothing to propose
-would flip into rounds whenever the noise made a round look as cheap as a step. Where no round was timed yet, and after EXPLORE plain steps, it runs a round
-anyway, so a workload whose text starts repeating itself is noticed; after EXPLORE rounds it runs a plain step,
+before the first). It runs a round when the rows' expected tokens per second beat a plain step's by MARGIN: both
+times are averages of noisy measurements, and a round that keeps only its first token is a plain step that costs
+more, so without a margin rows with nothing to propose would flip into rounds whenever the noise made a round look
+as cheap as a step. Where no round was timed yet, and after EXPLORE plain steps, it runs a round anyway, so a workload whose text starts repeating itself is noticed; after EXPLORE rounds it runs a plain step,
 so a step timed once when the machine was busy does not keep rounds going that no longer pay.
 """
 

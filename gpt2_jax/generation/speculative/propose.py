@@ -115,10 +115,8 @@ def draft_propose(
     p, nv = state.cache.lengths, draft_config.valid_vocab
     logits, cache = forward_cached(draft_params, jnp.stack([prev, token], 1), cache._replace(lengths=p - 1),
                                    draft_config, last=jnp.ones_like(p))  # fmt: skip
-    at = (lambda j: None) if clocks is None else (lambda j: clocks[j - 1])
-    s, first = coupled_draw(
-        state._replace(cache=None), rules, logits[:, 0], p + 1, nv, at(1)
-    )  # the scan carries no cache
+    first_clocks, rest_clocks = (None, None) if clocks is None else (clocks[0], clocks[1:])
+    s, first = coupled_draw(state._replace(cache=None), rules, logits[:, 0], p + 1, nv, first_clocks)  # no cache
 
     def step(carry, xs):
         cache, s, tok = carry
@@ -128,5 +126,5 @@ def draft_propose(
         return (cache, s, nxt), nxt
 
     js = jnp.arange(2, k + 1, dtype=jnp.int32)
-    (cache, _, _), rest = jax.lax.scan(step, (cache, s, first), (js, None if clocks is None else clocks[1:]))
+    (cache, _, _), rest = jax.lax.scan(step, (cache, s, first), (js, rest_clocks))
     return jnp.concatenate([first[:, None], rest.T], axis=1), cache
