@@ -188,8 +188,9 @@ def test_warm_up_freezes_the_heap_the_idle_engine_refreezes_and_stop_thaws(model
         warm_up(engine, constrained=False, echo=False)
         assert len(gc.get_objects()) < 10_000 < gc.get_freeze_count()
         built = engine.programs.built()
-        engine.programs.wait([engine.programs.want_decode(1, top=True)])
-        req, rec = request(enc.encode("ROMEO:"), 4, 0, {}, top=2)  # runs the decode step built since warm_up
+        engine.programs.want_scoring(priority=0.0)  # echo's programs: warm_up without echo never asked for them
+        engine.programs.wait(engine.programs.pending())  # built after warm_up froze the heap, with the rest
+        req, rec = request(enc.encode("ROMEO:"), 4, 0, {}, top=2)
         engine.submit(req)
         deadline = time.monotonic() + 120
         while engine.frozen_programs != engine.programs.built() and time.monotonic() < deadline:

@@ -4,7 +4,7 @@ A request is one row of `generate`. At admission it gets the blocks its prompt a
 the leading ones straight from the prefix cache when another request already computed the same tokens. Its prompt
 then goes in chunk by chunk (at most prefill_chunk tokens per engine step, generation.paged.prefill_chunk), each
 chunk between two decode steps, so the running streams keep flowing while a long prompt arrives. Then it joins
-the decode steps, which advance every decoding row at once (decode_rows over the first 2, 8, 32, ... rows, the
+the decode steps, which advance every decoding row at once (decode_rows over the first 1, 2, 8, 32, ... rows, the
 smallest compiled size that covers them), and leaves the moment it finishes; its named blocks stay cached.
 With speculation (serving.speculation), a step may instead be a speculative round that gives each row up to k + 1
 tokens, the ones plain steps would give. Because a row's bits never depend on its neighbours, its row, its blocks, who computed a shared block, the chunks

@@ -4,7 +4,7 @@ EnginePrograms is the Engine's registry of programs (held by the Engine, not mix
 named method that gives its compiled callable:
   prefill(T)           one prompt chunk of T tokens (T: 16, 32, ... up to prefill_chunk; while no row decodes, up
                        to IDLE_CHUNK where built: idle_chunk)
-  decode(R, top)       the smallest built decode step over rows [0, R) (R: 2, 8, 32, ... and max_batch)
+  decode(R, top)       the smallest built decode step over rows [0, R) (R: 1, 2, 8, 32, ... and max_batch)
   speculate(R, top)    with speculation: the smallest built speculative round over rows [0, R)
   draft(T)             with a draft model: one prompt chunk of T tokens into the draft's pool
   start_row(), stop_rows(), set_automaton()   the small programs that start a row, stop rows, move constraint
@@ -33,7 +33,7 @@ from gpt2_jax.serving.chunking import PROMPTS_PER_STEP, ROWS_PER_CHUNK
 from gpt2_jax.serving.programs import Programs
 from gpt2_jax.serving.slots import Request, set_automaton
 
-ROW_BUCKETS = (2, 8, 32, 128, 512)  # decode-step sizes: a lone stream never pays for 32 rows
+ROW_BUCKETS = (1, 2, 8, 32, 128, 512)  # decode-step sizes: a lone stream runs the fastest, one row
 IDLE_CHUNK = 256  # the largest prompt chunk while no row decodes (nobody waits for it), where it is built
 I32 = jax.ShapeDtypeStruct((), jnp.int32)
 Compiled = jax.stages.Compiled
