@@ -112,6 +112,34 @@ def test_shared_prefixes_chunked_prefill_and_eviction_keep_every_request_equal_t
     )
 
 
+def test_prompt_chunks_riding_decode_steps_keep_every_request_equal_to_generate_alone(model):
+    """While rows decode, a full prompt chunk that ends no prompt goes through the model in the decode step's own
+    forward (generation.decode_rows_with_chunk: each chunk token a one-token row of its own). Two long prompts
+    arrive while three rows decode: every full chunk but a prompt's last rides (9 of each prompt's 10), and every
+    request, the riders and the rows they rode, equals generate alone, bit for bit."""
+    params, config = model
+    engine = Engine(params, config, max_batch=8, max_queue=8, max_seq=512, prefill_chunk=32)
+    engine.programs.compile()
+    assert engine.programs.ride(3, 1) is not None  # the step over 8 rows with one prompt's chunk in it
+    rng = np.random.default_rng(5)
+    V = config.valid_vocab - 1
+    early = [
+        request(rng.integers(0, V, 20).tolist(), 10 + i, max_new_tokens=70, **opts)
+        for i, opts in enumerate([dict(temperature=0.0), dict(temperature=0.9, top_k=50), dict(repetition_penalty=1.2)])
+    ]
+    late = [
+        request(rng.integers(0, V, n).tolist(), 20 + n, max_new_tokens=12, **opts)
+        for n, opts in [
+            (300, dict(temperature=1.1, top_p=0.9)),
+            (320, dict(constraint=constraints.regex("[a-z ]{3,30}"))),
+        ]
+    ]
+    run(engine, [(0, r) for r, _ in early] + [(4, r) for r, _ in late])
+    for req, rec in early + late:
+        assert_alone(params, config, req, rec)
+    assert engine.stats()["prefill_rode_tokens"] == 2 * 9 * 32, engine.stats()
+
+
 def test_rows_are_bounded_by_blocks_not_by_max_seq(model):
     """With the default pool (the KV of 8 rows of max_seq, as the old slots reserved), 32 short requests (prompt +
     output <= 256 tokens: 2 blocks each) run at once, 4x the old 8 slots; a request that needs more blocks than are

@@ -3,7 +3,8 @@
 generate's state holds one contiguous cache row per request. This one holds a pool of blocks shared by every row
 and a block table per row: a request's prompt goes in chunk by chunk (prefill_chunk), after any leading blocks
 another request already filled with the same tokens; its row then joins the decode steps (start_row), which run
-over the first `rows` rows of the state (decode_rows) and leave the others as they are. A token's K/V, and
+over the first `rows` rows of the state (decode_rows) and leave the others as they are. A chunk can also ride a
+decode step, in the same forward (decode_rows_with_chunk). A token's K/V, and
 attention over them, are the same bits whatever block holds them, however the prompt was cut into chunks and
 whoever computed a shared block (the model's batch invariance, see gpt2_jax.model.attention), so a row decoded
 here gives generate's tokens and logprobs bit for bit.
@@ -148,3 +149,27 @@ def decode_rows(params: Params, state: DecodeState, rules: Rules, config: GPT2Co
     head, step = draw(head, head_rules, config.valid_vocab, r)
     head = feed(params, head, step.token, config)
     return put_rows(state, head, rows), step
+
+
+@functools.partial(jax.jit, static_argnames=("config", "rows", "r"), donate_argnames="state")
+def decode_rows_with_chunk(params: Params, state: DecodeState, rules: Rules, tables: Int[Array, "P M"],
+                           tokens: Int[Array, "P T"], start: Int[Array, " P"], last: Int[Array, " P"],
+                           config: GPT2Config, rows: int,
+                           r: int = 0) -> tuple[DecodeState, Step, Float[Array, "P V"]]:  # fmt: skip
+    """decode_rows and prefill_chunk in one forward: the rows [0, rows) draw their tokens, then those tokens and
+    the chunk's P x T tokens go through the model together, each chunk token a one-token row of its own (its
+    prompt's table, its own slot), so the weights are read once for both -> (state, Step [rows], logits [P, V] of
+    each chunk's token `last`). Within a layer every row writes its K/V before any row attends, so a chunk token
+    sees the ones before it, and every row's bits are the two programs' (the model's batch invariance)."""
+    head, head_rules = head_rows(state, rules, rows)
+    head, step = draw(head, head_rules, config.valid_vocab, r)
+    P, T = tokens.shape
+    pool = _pool(head)
+    table = jnp.concatenate([pool.table, jnp.repeat(tables, T, axis=0)])  # [rows + P*T, M]
+    slots = jnp.concatenate([pool.lengths, (start[:, None] + jnp.arange(T, dtype=jnp.int32)).reshape(-1)])
+    fed = jnp.concatenate([step.token, tokens.reshape(-1)])[:, None]  # [rows + P*T, 1]
+    picked = jnp.concatenate([jnp.arange(rows), rows + jnp.arange(P) * T + last])  # only these are unembedded
+    logits, cache = forward_cached(params, fed, PagedKVCache(pool.k, pool.v, table, slots), config, rows=picked)
+    head = head._replace(cache=pool._replace(k=cache.k, v=cache.v, lengths=cache.lengths[:rows]),
+                         logits=logits[:rows, 0])  # fmt: skip
+    return put_rows(state, head, rows), step, logits[rows:, 0]

@@ -151,11 +151,13 @@ def forward_cached(
     config: GPT2Config,
     last: Int[Array, " B"] | None = None,
     hooks=None,
-) -> tuple[Float[Array, "B T V"] | Float[Array, "B 1 V"], Cache]:
+    rows: Int[Array, " K"] | None = None,
+) -> tuple[Float[Array, "B T V"] | Float[Array, "B 1 V"] | Float[Array, "K T V"], Cache]:
     """tokens [B, T] into row b's slots [lengths[b], lengths[b] + T) -> (logits [B, T, V], cache with
     lengths + T). last [B]: return only the logits at that index of each row ([B, 1, V]; a prefill
-    needs just each prompt's last token). The blocks are the ones forward runs: each writes its new
-    K/V into the cache, then attends over every slot up to the token's own.
+    needs just each prompt's last token). rows [K]: return only those rows' logits ([K, T, V]; the
+    unembedding reads all of wte, so rows whose logits nobody reads skip it). The blocks are the ones
+    forward runs: each writes its new K/V into the cache, then attends over every slot up to the token's own.
 
     hooks: a gpt2_jax.interp.Hooks (hashable, so it can be a static jit argument) edits activations
     as in run_with_hooks; here each hook sees this call's T new tokens ([B, T, ...]; attention
@@ -172,6 +174,8 @@ def forward_cached(
     x, written = run_blocks(params, x, config, view, None, tap)
     if last is not None:
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)  # [B, 1, D]
+    if rows is not None:
+        x = x[rows]  # [K, T, D]
     return unembed(params, x, config, tap), _after(cache, written, T)
 
 

@@ -3,7 +3,8 @@
 A request is one row of `generate`. At admission it gets the blocks its prompt and output need (serving.blocks),
 the leading ones straight from the prefix cache when another request already computed the same tokens. Its prompt
 then goes in chunk by chunk (at most prefill_chunk tokens per engine step, generation.paged.prefill_chunk), each
-chunk between two decode steps, so the running streams keep flowing while a long prompt arrives. Then it joins
+chunk between two decode steps or, a full one that ends no prompt, inside the decode step's forward
+(generation.paged.decode_rows_with_chunk), so the running streams keep flowing while a long prompt arrives. Then it joins
 the decode steps, which advance every decoding row at once (decode_rows over the first 1, 2, 8, 32, ... rows, the
 smallest compiled size that covers them), and leaves the moment it finishes; its named blocks stay cached.
 With speculation (serving.speculation), a step may instead be a speculative round that gives each row up to k + 1
@@ -111,6 +112,7 @@ class Engine:
             active = rows.active()
             return {"active": len(active), "queued": len(self.queue), "prefilling": sum(not s.decoding for s in active),
                     "generated_tokens": rows.generated_tokens, "prefill_tokens": rows.prefill_tokens,
+                    "prefill_rode_tokens": rows.rode_tokens,
                     "speculative_proposed": rows.proposed, "speculative_accepted": rows.accepted,
                     "compiling": len(self.programs.pending()), **rows.pool.stats()}  # fmt: skip
 
@@ -134,12 +136,15 @@ class Engine:
         rows.finish([(b, "error", Cancelled("cancelled")) for b, s in enumerate(rows.slots)
                      if s is not None and s.request.cancelled])  # fmt: skip
         rows.admit(self.queue)
-        prefilled = rows.prefill()
-        decoding = [b for b, s in enumerate(rows.slots) if s is not None and s.decoding]
+        chunk = rows.plan_chunk()
+        riding = chunk is not None and bool(rows.decoding()) and rows.rides(chunk)
+        if chunk is not None and not riding:
+            rows.prefill(chunk)
+        decoding = rows.decoding()
         if decoding:
-            rows.decode(decoding)
+            rows.decode(decoding, chunk if riding else None)
             return True
-        if prefilled:
+        if chunk is not None:
             return True
         with self.lock:
             if not self.queue and not rows.active():

@@ -5,6 +5,8 @@ named method that gives its compiled callable:
   prefill(T)           one prompt chunk of T tokens (T: 16, 32, ... up to prefill_chunk; while no row decodes, up
                        to IDLE_CHUNK where built: idle_chunk)
   decode(R, top)       the smallest built decode step over rows [0, R) (R: 1, 2, 8, 32, ... and max_batch)
+  ride(R, P)           a decode step over rows [0, R) with P prompts' chunks of prefill_chunk tokens riding in
+                       its forward (R: the decode sizes from RIDE_ROWS up; P: 1 and the batched chunk sizes)
   speculate(R, top)    with speculation: the smallest built speculative round over rows [0, R)
   draft(T)             with a draft model: one prompt chunk of T tokens into the draft's pool
   start_row(), stop_rows(), set_automaton()   the small programs that start a row, stop rows, move constraint
@@ -25,7 +27,7 @@ import jax.numpy as jnp
 from gpt2_jax.config import GPT2Config
 from gpt2_jax.generation import prompt_logprobs
 from gpt2_jax.generation.batching import bucket
-from gpt2_jax.generation.paged import decode_rows, prefill_chunk, start_row, stop_rows
+from gpt2_jax.generation.paged import decode_rows, decode_rows_with_chunk, prefill_chunk, start_row, stop_rows
 from gpt2_jax.generation.speculative.paged import draft_chunk, speculate_rows
 from gpt2_jax.model import Params
 from gpt2_jax.sampling.checks import MAX_TOP_LOGPROBS
@@ -34,6 +36,7 @@ from gpt2_jax.serving.programs import Programs
 from gpt2_jax.serving.slots import Request, set_automaton
 
 ROW_BUCKETS = (1, 2, 8, 32, 128, 512)  # decode-step sizes: a lone stream runs the fastest, one row
+RIDE_ROWS = 8  # the smallest decode step a chunk rides: the steps that run while many prompts arrive
 IDLE_CHUNK = 256  # the largest prompt chunk while no row decodes (nobody waits for it), where it is built
 I32 = jax.ShapeDtypeStruct((), jnp.int32)
 Compiled = jax.stages.Compiled
@@ -89,6 +92,12 @@ class EnginePrograms:
         if asked), or None when none is built."""
         name = self._built(rows, top, _decode_name)
         return None if name is None else self.compiler.get(name)
+
+    def ride(self, rows: int, P: int) -> Compiled | None:
+        """generation.decode_rows_with_chunk over the decode size that covers rows [0, rows), P prompts' chunks
+        of prefill_chunk tokens riding it, or None when it is not built (compile queues it, last)."""
+        R = next(r for r in self.row_buckets() if r >= rows)
+        return self.compiler.get(_ride_name(R, P)) if R >= RIDE_ROWS else None
 
     def speculate(self, rows: int, top: bool) -> Compiled | None:
         """generation.speculative.paged.speculate_rows for rows [0, rows): the smallest built round that covers
@@ -150,6 +159,13 @@ class EnginePrograms:
         self.compiler.want(_decode_name(rows, top), build, priority)
         return _decode_name(rows, top)
 
+    def want_ride(self, rows: int, P: int = 1, priority: float = 1.0) -> Name:
+        s, (tables, tokens, ints) = self.shapes, _chunk_shapes(self.shapes, P, self.shapes.prefill_chunk)
+        build = lambda: decode_rows_with_chunk.lower(s.params, s.state, s.rules, tables, tokens, ints, ints, s.config,
+                                                     rows).compile()  # fmt: skip
+        self.compiler.want(_ride_name(rows, P), build, priority)
+        return _ride_name(rows, P)
+
     def want_speculate(self, rows: int, top: bool = False, priority: float = 1.0) -> Name:
         s, r = self.shapes, MAX_TOP_LOGPROBS if top else 0
         spec = s.speculation
@@ -193,7 +209,8 @@ class EnginePrograms:
 
     def compile(self, wait: bool = True, timeout: float | None = None) -> list[Name]:
         """Queue every program the engine can need, the essential ones first, then larger decode steps and chunks,
-        then the decode steps with top logprobs; with wait, block until they are built. Returns their names."""
+        then the decode steps with top logprobs, the other chunks, speculation's programs, and last the decode
+        steps that chunks ride; with wait, block until they are built. Returns their names."""
         s, wants = self.shapes, self._essential()
         wants += [functools.partial(self.want_decode, r, False) for r in self.row_buckets()[1:]]
         wants += [functools.partial(self.want_prefill, t) for t in self.chunk_buckets()[1:]]
@@ -207,6 +224,8 @@ class EnginePrograms:
             wants += [
                 functools.partial(self.want_speculate, r, top) for top in (False, True) for r in self.row_buckets()
             ]
+        wants += [functools.partial(self.want_ride, r, p) for r in self.row_buckets() if r >= RIDE_ROWS
+                  for p in (1, *self.prompt_buckets())]  # fmt: skip
         names = [want(float(i)) for i, want in enumerate(wants)]
         if wait:
             self.wait(names, timeout)
@@ -294,6 +313,11 @@ def _chunk_shapes(s: Shapes, P: int, T: int) -> tuple:
 
 def _decode_name(rows: int, top: bool) -> Name:
     return Name("decode+top" if top else "decode", rows)
+
+
+def _ride_name(rows: int, P: int) -> Name:
+    """("decode+chunk", 32): a chunk of one prompt riding the step over 32 rows; ("decode+chunk x2", 32): two."""
+    return Name("decode+chunk" if P == 1 else f"decode+chunk x{P}", rows)
 
 
 def _speculate_name(rows: int, top: bool) -> Name:

@@ -50,6 +50,7 @@ class EngineRows:
         self.constraint_sizes = (max_constraint_states, constraint_classes)
         self.slots: list[Slot | None] = [None] * max_batch
         self.generated_tokens = self.prefill_tokens = self.admitted = 0
+        self.rode_tokens = 0  # prompt tokens that went in inside a decode step's forward (decode's chunk)
         self.per_row = 1.0  # tokens each decoding row kept at the last step: the prompt chunks' pace (chunking.plan)
         self.reset()
         b = self.batch
@@ -133,33 +134,58 @@ class EngineRows:
         table[: len(slot.blocks)] = slot.blocks
         return table
 
-    def prefill(self) -> bool:
-        """Put the next prompt chunk(s) in (serving.chunking: which prompts, how many tokens); False when no
+    def decoding(self) -> list[int]:
+        """The rows whose prompt is in."""
+        return [b for b, s in enumerate(self.slots) if s is not None and s.decoding]
+
+    def plan_chunk(self) -> chunking.Chunk | None:
+        """The next prompt chunk(s) to put in (serving.chunking: which prompts, how many tokens), or None when no
         prompt is going in."""
-        order = sorted((s.order, b) for b, s in enumerate(self.slots) if s is not None and not s.decoding)
+        order = [
+            b for _, b in sorted((s.order, b) for b, s in enumerate(self.slots) if s is not None and not s.decoding)
+        ]
         if not order:
-            return False
-        slots = {b: s for _, b in order if (s := self.slots[b]) is not None}
-        waiting = [(b, s.request.prompt, s.prefilled) for b, s in slots.items()]
-        P, T = chunking.plan(waiting, sum(s.decoding for s in self.active()), self.prefill_chunk, self.programs,
-                             self.per_row)  # fmt: skip
-        c = chunking.build(waiting, [self._table(s) for s in slots.values()], P, T)
+            return None
+        waiting = [(b, self._slot(b).request.prompt, self._slot(b).prefilled) for b in order]
+        P, T = chunking.plan(waiting, len(self.decoding()), self.prefill_chunk, self.programs, self.per_row)
+        return chunking.build(waiting, [self._table(self._slot(b)) for b in order], P, T)
+
+    def rides(self, c: chunking.Chunk) -> bool:
+        """Whether the chunk may ride the next decode step (decode's `chunk`): a full one that ends no prompt. A
+        prompt's last chunk goes in before the step, so that its row draws its first token in that step."""
+        return c.tokens.shape[1] == self.prefill_chunk and all(
+            self._slot(b).prefilled + int(n) < len(self._slot(b).request.prompt) for b, n in zip(c.rows, c.taken)
+        )
+
+    def prefill(self, c: chunking.Chunk) -> None:
+        """Put the chunk in, in a forward of its own."""
+        P, T = c.tokens.shape
         self.batch.state, logits = self.programs.prefill(T, P)(self.params, self.batch.state, c.tables, c.tokens,
                                                                c.start, c.taken - 1)  # fmt: skip
+        self._put(c, logits)
+
+    def _put(self, c: chunking.Chunk, logits: Any) -> None:
+        """The chunk is in the target's pool: the draft model reads it into its own, its prompts count it, their
+        full blocks are named, and a prompt now whole joins the decode steps."""
         if self.batch.draft_pool is not None:  # the draft model reads the same chunks into its pool
             spec = self.speculation
             assert spec is not None and spec.draft is not None, "a draft pool comes with a draft model"
+            P, T = c.tokens.shape
             self.batch.draft_pool = self.programs.draft(T, P)(spec.draft_params, self.batch.draft_pool, c.tables,
                                                               c.tokens, c.start)  # fmt: skip
         logits = np.asarray(logits)  # on the host, a row of it is a view: slicing the device array would compile
         for i, b in enumerate(c.rows):
-            slot = slots[b]
+            slot = self._slot(b)
             slot.prefilled += int(c.taken[i])
             self.prefill_tokens += int(c.taken[i])
             self.pool.register(slot.blocks, slot.names, min(slot.prefilled // KEY_BLOCK, len(slot.names)))
             if slot.prefilled == len(slot.request.prompt):
                 self._start(b, slot, c.tables[i], logits[i])
-        return True
+
+    def _slot(self, b: int) -> Slot:
+        slot = self.slots[b]
+        assert slot is not None, f"row {b} is busy"
+        return slot
 
     def _start(self, b: int, slot: Slot, table: np.ndarray, logits: Any) -> None:
         """Row b's prompt is in: it joins the decode steps."""
@@ -173,15 +199,28 @@ class EngineRows:
         )  # fmt: skip
         slot.decoding = True
 
-    def decode(self, decoding: list[int]) -> None:
+    def decode(self, decoding: list[int], chunk: chunking.Chunk | None = None) -> None:
         """One decode step over the decoding rows, or one speculative round (serving.speculation): each row gets
-        its token(s), and the rows that are done end."""
+        its token(s), and the rows that are done end. A chunk (one that rides) goes through the model in the
+        step's own forward where that program is built, else on its own first."""
         slots = [(b, s) for b in decoding if (s := self.slots[b]) is not None]
         top = any(s.request.sampling.top_logprobs for _, s in slots)
         rows = max(decoding) + 1
         t = time.perf_counter()
         run = self._round(rows, top, [s.request for _, s in slots])
-        if run is not None:
+        ride = None if chunk is None or run is not None or top else self.programs.ride(rows, len(chunk.rows))
+        if chunk is not None and ride is None:
+            self.prefill(chunk)
+            chunk = None
+        if chunk is not None and ride is not None:
+            b = self.batch
+            b.state, out, logits = ride(self.params, b.state, b.rules, chunk.tables, chunk.tokens, chunk.start,
+                                        chunk.taken - 1)  # fmt: skip
+            self._put(chunk, logits)
+            self.rode_tokens += int(chunk.taken.sum())
+            out = jax.tree.map(lambda a: np.asarray(a)[:, None], out)
+            kept = np.ones(len(out.token), np.int32)
+        elif run is not None:
             spec = self.speculation
             assert spec is not None, "a round runs only with speculation"
             b = self.batch
@@ -198,7 +237,8 @@ class EngineRows:
             kept = np.ones(len(out.token), np.int32)
         token, logprob = np.asarray(out.token), np.asarray(out.logprob)
         top_ids, top_lp = np.asarray(out.top_ids), np.asarray(out.top_logprobs)
-        self._observe(rows, slots, kept, time.perf_counter() - t, token.shape[1] > 1)
+        if chunk is None:  # a step with a chunk in it is no plain step to time speculation against
+            self._observe(rows, slots, kept, time.perf_counter() - t, token.shape[1] > 1)
         self.per_row = float(np.mean([kept[b] for b, _ in slots])) if slots else 1.0  # chunking's pace
         done = np.asarray(self.batch.state.done)
         ended: list[Ended] = []
