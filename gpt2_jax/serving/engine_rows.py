@@ -184,7 +184,7 @@ class EngineRows:
 
     def _slot(self, b: int) -> Slot:
         slot = self.slots[b]
-        assert slot is not None, f"row {b} is busy"
+        assert slot is not None, f"row {b} holds no request"
         return slot
 
     def _start(self, b: int, slot: Slot, table: np.ndarray, logits: Any) -> None:
