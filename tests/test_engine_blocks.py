@@ -119,7 +119,7 @@ def test_prompt_chunks_riding_decode_steps_keep_every_request_equal_to_generate_
     request, the riders and the rows they rode, equals generate alone, bit for bit."""
     params, config = model
     engine = Engine(params, config, max_batch=8, max_queue=8, max_seq=512, prefill_chunk=32)
-    engine.programs.compile()
+    engine.programs.wait([engine.programs.want_ride(8, 1), engine.programs.want_decode(8)])  # the rest on demand
     assert engine.programs.ride(3, 1) is not None  # the step over 8 rows with one prompt's chunk in it
     rng = np.random.default_rng(5)
     V = config.valid_vocab - 1
