@@ -1,7 +1,8 @@
 """Serving: the continuous-batching engine and its OpenAI-compatible HTTP API.
 
   engine.py             continuous batching over rows of a paged KV cache: submit, the step loop, drain;
-                        engine_rows.py: each step's work (admit, prefill a chunk, decode, finish);
+                        engine_rows.py: each step's work (admit, decode, finish); engine_prompts.py: the
+                        prompt chunks going in (alone or riding a decode step);
                         engine_checks.py: a request's and the settings' checks; batch.py: the rows' device
                         state (DeviceBatch); slots.py: a Request, the Slot it holds, their fixed-shape rules
   blocks.py             the KV block pool: block tables, prefix caching by chained block names, LRU eviction

@@ -1,9 +1,10 @@
-"""The engine's rows and the work one step does on them: admission, one prompt chunk, one decode step, rows ending.
+"""The engine's rows and the work one step does on them: admission, one decode step, rows ending.
 
 EngineRows holds the max_batch slots on the host (serving.slots), the pool of KV blocks they share
 (serving.blocks) and their device batch (serving.batch), and runs the engine's programs over them
-(serving.engine_programs). The Engine's lock guards the slots and the queue: the engine thread changes them, and
-submit, stats and drain read them from other threads.
+(serving.engine_programs); putting prompts in, chunk by chunk, is serving.engine_prompts' (its base class). The
+Engine's lock guards the slots and the queue: the engine thread changes them, and submit, stats and drain read
+them from other threads.
 """
 
 from __future__ import annotations
@@ -27,13 +28,14 @@ from gpt2_jax.serving.batch import DeviceBatch
 from gpt2_jax.serving.blocks import BlockPool
 from gpt2_jax.serving.engine_checks import automaton
 from gpt2_jax.serving.engine_programs import EnginePrograms, Shapes
+from gpt2_jax.serving.engine_prompts import PromptChunks
 from gpt2_jax.serving.slots import Cancelled, Request, Slot, tell
 from gpt2_jax.serving.speculation import Policy, Speculation
 
 Ended = tuple[int, str, Any]  # a row that ends: (row, event kind, payload)
 
 
-class EngineRows:
+class EngineRows(PromptChunks):
     """max_batch rows over num_blocks KV blocks of blocks_per_row each, and the programs that run on them."""
 
     def __init__(self, params: Params, config: GPT2Config, lock: threading.Condition, *, max_batch: int,
@@ -129,76 +131,6 @@ class EngineRows:
         self.batch.repack([s.automaton if s is not None else None for s in self.slots], decoding,
                           self.programs.set_automaton())  # fmt: skip
 
-    def _table(self, slot: Slot) -> np.ndarray:
-        table = np.zeros(self.blocks_per_row, np.int32)  # NULL_BLOCK past the row's blocks
-        table[: len(slot.blocks)] = slot.blocks
-        return table
-
-    def decoding(self) -> list[int]:
-        """The rows whose prompt is in."""
-        return [b for b, s in enumerate(self.slots) if s is not None and s.decoding]
-
-    def plan_chunk(self) -> chunking.Chunk | None:
-        """The next prompt chunk(s) to put in (serving.chunking: which prompts, how many tokens), or None when no
-        prompt is going in."""
-        order = [
-            b for _, b in sorted((s.order, b) for b, s in enumerate(self.slots) if s is not None and not s.decoding)
-        ]
-        if not order:
-            return None
-        waiting = [(b, self._slot(b).request.prompt, self._slot(b).prefilled) for b in order]
-        P, T = chunking.plan(waiting, len(self.decoding()), self.prefill_chunk, self.programs, self.per_row)
-        return chunking.build(waiting, [self._table(self._slot(b)) for b in order], P, T)
-
-    def rides(self, c: chunking.Chunk) -> bool:
-        """Whether the chunk may ride the next decode step (decode's `chunk`): a full one that ends no prompt. A
-        prompt's last chunk goes in before the step, so that its row draws its first token in that step."""
-        return c.tokens.shape[1] == self.prefill_chunk and all(
-            self._slot(b).prefilled + int(n) < len(self._slot(b).request.prompt) for b, n in zip(c.rows, c.taken)
-        )
-
-    def prefill(self, c: chunking.Chunk) -> None:
-        """Put the chunk in, in a forward of its own."""
-        P, T = c.tokens.shape
-        self.batch.state, logits = self.programs.prefill(T, P)(self.params, self.batch.state, c.tables, c.tokens,
-                                                               c.start, c.taken - 1)  # fmt: skip
-        self._put(c, logits)
-
-    def _put(self, c: chunking.Chunk, logits: Any) -> None:
-        """The chunk is in the target's pool: the draft model reads it into its own, its prompts count it, their
-        full blocks are named, and a prompt now whole joins the decode steps."""
-        if self.batch.draft_pool is not None:  # the draft model reads the same chunks into its pool
-            spec = self.speculation
-            assert spec is not None and spec.draft is not None, "a draft pool comes with a draft model"
-            P, T = c.tokens.shape
-            self.batch.draft_pool = self.programs.draft(T, P)(spec.draft_params, self.batch.draft_pool, c.tables,
-                                                              c.tokens, c.start)  # fmt: skip
-        logits = np.asarray(logits)  # on the host, a row of it is a view: slicing the device array would compile
-        for i, b in enumerate(c.rows):
-            slot = self._slot(b)
-            slot.prefilled += int(c.taken[i])
-            self.prefill_tokens += int(c.taken[i])
-            self.pool.register(slot.blocks, slot.names, min(slot.prefilled // KEY_BLOCK, len(slot.names)))
-            if slot.prefilled == len(slot.request.prompt):
-                self._start(b, slot, c.tables[i], logits[i])
-
-    def _slot(self, b: int) -> Slot:
-        slot = self.slots[b]
-        assert slot is not None, f"row {b} holds no request"
-        return slot
-
-    def _start(self, b: int, slot: Slot, table: np.ndarray, logits: Any) -> None:
-        """Row b's prompt is in: it joins the decode steps."""
-        prompt = slot.request.prompt
-        padded = np.full(self.capacity, prompt[-1], np.int32)
-        padded[: len(prompt)] = prompt
-        key = slot.request.prepared.batch.keys[0]
-        self.batch.state = self.programs.start_row()(
-            self.batch.state, np.int32(b), table, padded, np.int32(len(prompt)), logits, key,
-            np.int32(self.batch.start_state(b)),
-        )  # fmt: skip
-        slot.decoding = True
-
     def decode(self, decoding: list[int], chunk: chunking.Chunk | None = None) -> None:
         """One decode step over the decoding rows, or one speculative round (serving.speculation): each row gets
         its token(s), and the rows that are done end. A chunk (one that rides) goes through the model in the
@@ -206,38 +138,37 @@ class EngineRows:
         slots = [(b, s) for b in decoding if (s := self.slots[b]) is not None]
         top = any(s.request.sampling.top_logprobs for _, s in slots)
         rows = max(decoding) + 1
-        t = time.perf_counter()
         run = self._round(rows, top, [s.request for _, s in slots])
         ride = None if chunk is None or run is not None or top else self.programs.ride(rows, len(chunk.rows))
         if chunk is not None and ride is None:
             self.prefill(chunk)
-            chunk = None
-        if chunk is not None and ride is not None:
-            b = self.batch
-            b.state, out, logits = ride(self.params, b.state, b.rules, chunk.tables, chunk.tokens, chunk.start,
-                                        chunk.taken - 1)  # fmt: skip
-            self._put(chunk, logits)
-            self.rode_tokens += int(chunk.taken.sum())
-            out = jax.tree.map(lambda a: np.asarray(a)[:, None], out)
-            kept = np.ones(len(out.token), np.int32)
-        elif run is not None:
+        t = time.perf_counter()
+        batch = self.batch
+        if run is not None:
             spec = self.speculation
             assert spec is not None, "a round runs only with speculation"
-            b = self.batch
-            b.state, b.draft_pool, out, kept = run(self.params, spec.draft_params, b.state, b.draft_pool, b.rules,
-                                                   b.until, b.want)  # fmt: skip
+            batch.state, batch.draft_pool, out, kept = run(self.params, spec.draft_params, batch.state,
+                                                           batch.draft_pool, batch.rules, batch.until,
+                                                           batch.want)  # fmt: skip
             kept = np.asarray(kept)
         else:
-            run = self.programs.decode(rows, top)
-            if run is None:  # not compiled yet (admission waits for it, so only after a failure): try again soon
-                time.sleep(0.01)
-                return
-            self.batch.state, out = run(self.params, self.batch.state, self.batch.rules)
+            if ride is not None:
+                assert chunk is not None, "a ride carries a chunk"
+                batch.state, out, logits = ride(self.params, batch.state, batch.rules, chunk.tables, chunk.tokens,
+                                                chunk.start, chunk.taken - 1)  # fmt: skip
+                self._put(chunk, logits)
+                self.rode_tokens += int(chunk.taken.sum())
+            else:
+                step = self.programs.decode(rows, top)
+                if step is None:  # not compiled yet (admission waits for it, so only after a failure): try again soon
+                    time.sleep(0.01)
+                    return
+                batch.state, out = step(self.params, batch.state, batch.rules)
             out = jax.tree.map(lambda a: np.asarray(a)[:, None], out)  # one token per row: Steps [rows, 1], on the host
             kept = np.ones(len(out.token), np.int32)
         token, logprob = np.asarray(out.token), np.asarray(out.logprob)
         top_ids, top_lp = np.asarray(out.top_ids), np.asarray(out.top_logprobs)
-        if chunk is None:  # a step with a chunk in it is no plain step to time speculation against
+        if ride is None:  # a step with a chunk in it is no plain step to time speculation against
             self._observe(rows, slots, kept, time.perf_counter() - t, token.shape[1] > 1)
         self.per_row = float(np.mean([kept[b] for b, _ in slots])) if slots else 1.0  # chunking's pace
         done = np.asarray(self.batch.state.done)
