@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 # what each environment installs (torch first, pinned: the CPU build; guidellm depends on torch)
@@ -47,6 +48,8 @@ def tool(name: str) -> list[str]:
     return [str(python), "-m", name]
 
 
-if __name__ == "__main__":
-    for name in sys.argv[1:] or PINNED:
-        print(f"{name}: {' '.join(tool(name))}", flush=True)
+if __name__ == "__main__":  # every environment at once: pip mostly waits on downloads and the disk
+    with ThreadPoolExecutor() as pool:
+        names = sys.argv[1:] or list(PINNED)
+        for name, command in zip(names, pool.map(tool, names)):
+            print(f"{name}: {' '.join(command)}", flush=True)
