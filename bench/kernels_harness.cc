@@ -5,11 +5,13 @@
 //          (GPT2_JAX_ROWDOT_ISA unset, avx512-vnni, avx512, avx2: dispatch.h): every path equal to the one
 //          scalar reference is every path equal to the others. CI builds it with -Werror and runs it under
 //          AddressSanitizer and UBSan (bench/kernels_check.sh; tests/test_kernels_dispatch.py runs that script).
-//   time   each matmul at 1, 8 and 512 rows against a gpt2-small MLP weight [3072, 768]: ms per call, the
-//          weights' GB/s and GFLOP/s (bench/RESULTS.md keeps the figures).
+//   time   each matmul at 1, 8, 32, 96 and 512 rows (a decode step's few rows, a busy server's step, a
+//          prefill) against a gpt2-small MLP weight [3072, 768]: ms per call, the weights' GB/s and GFLOP/s
+//          (bench/RESULTS.md keeps the figures).
 //
-// Build and run from the repository's root:
-//   g++ -std=c++17 -O2 -ffp-contract=off -Wall -I gpt2_jax/kernels bench/kernels_harness.cc -o /tmp/harness -pthread
+// Build and run from the repository's root, at setup.py's -O3: at -O2 GCC leaves AVX2's Step256 a call with
+// its accumulators in memory, so `time` would not time the code the package runs.
+//   g++ -std=c++17 -O3 -ffp-contract=off -Wall -I gpt2_jax/kernels bench/kernels_harness.cc -o /tmp/harness -pthread
 //   /tmp/harness check [seed]
 //   GPT2_JAX_ROWDOT_ISA=avx2 /tmp/harness check
 //   /tmp/harness time [threads]
@@ -283,7 +285,7 @@ int Time(int threads) {
   const Packed pw = Pack(w, N, K);
   std::printf("time: w [%lld, %lld], %d threads, best of 7; GB/s of the weights, GFLOP/s\n", static_cast<long long>(N),
               static_cast<long long>(K), threads);
-  for (int64_t M : {1, 8, 512}) {
+  for (int64_t M : {1, 8, 32, 96, 512}) {
     std::vector<float> x = Normal(M * K, 1.0f), y(static_cast<size_t>(M * N));
     std::vector<int32_t> ends(static_cast<size_t>(M), static_cast<int32_t>(N));
     const double flop = 2.0 * M * N * K;
