@@ -129,8 +129,9 @@ class Engine:
 
     def step(self) -> bool:
         """Drop cancelled requests, admit waiting ones, put the next prompt chunk(s) in, then run one decode step
-        (a chunk that rides goes in inside the step's forward: EngineRows.rides). False when idle (nothing running, nothing queued); while queued requests only wait (for their programs, for
-        blocks), it sleeps until something changes (at most 0.1 s) and returns True."""
+        (a chunk that rides goes in inside the step's forward: EngineRows.rides). False when idle (nothing
+        running, nothing queued); while queued requests only wait (for their programs, for blocks), it sleeps
+        until something changes (at most 0.1 s) and returns True."""
         self._abort_late()
         rows = self.rows
         rows.finish([(b, "error", Cancelled("cancelled")) for b, s in enumerate(rows.slots)
