@@ -470,6 +470,8 @@ for layer in (0, 1):
     v = Paged(jnp.asarray(vp), jnp.int32(layer), jnp.asarray(table), False)
     out[f"scores{layer}"] = np.asarray(jax.jit(lambda q, e: chain(q, kt, out_ends=e))(q, ends))
     out[f"values{layer}"] = np.asarray(jax.jit(lambda w, e: chain(w, v, in_ends=e))(w, ends))
+    # one query a row, as a decode step asks (chain's wide 1-row pass, block by block)
+    out[f"decode{layer}"] = np.asarray(jax.jit(lambda q, e: chain(q, kt, out_ends=e))(q[:, :, 1:2], ends[:, :, 1:2]))
 np.savez(sys.argv[1], **out)
 """
 
@@ -478,7 +480,8 @@ np.savez(sys.argv[1], **out)
 def test_a_paged_operand_is_read_through_its_block_table_with_the_bits_of_the_gathered_array(tmp_path, isa):
     """Paged (one layer of the paged KV cache, gpt2_jax.model.paged_cache): chain reads each row's blocks
     where they lie in the pool, keys paged along the outputs, values along the chains (carried from block to
-    block), and gives the bits chain gives on the row's blocks gathered into one array by numpy."""
+    block), and gives the bits chain gives on the row's blocks gathered into one array by numpy; a decode
+    step's lone query (the wide 1-row pass, a block at a time) too."""
     if isa == "avx2" and kernels.available() != "avx512":
         pytest.skip("needs an AVX-512 CPU to also run the AVX2 path")
     env = dict(os.environ, JAX_PLATFORMS="cpu", **({"GPT2_JAX_ROWDOT_ISA": "avx2"} if isa == "avx2" else {}))
@@ -498,7 +501,9 @@ def test_a_paged_operand_is_read_through_its_block_table_with_the_bits_of_the_ga
         values = np.concatenate([vp[layer][table[:, j]] for j in range(M)], axis=-2)  # [B, H, M x C, K]
         assert (bits(got[f"scores{layer}"]) == bits(chain(q, keys, out_ends=ends))).all()
         assert (bits(got[f"values{layer}"]) == bits(chain(w, values, in_ends=ends))).all()
-    assert (got["scores0"] != 0).any() and (got["values1"] != 0).any()
+        # a lone query's scores: the bits of the same query among five over the gathered keys (other tiles)
+        assert (bits(got[f"decode{layer}"]) == bits(chain(q, keys, out_ends=ends))[:, :, 1:2]).all()
+    assert (got["scores0"] != 0).any() and (got["values1"] != 0).any() and (got["decode1"] != 0).any()
 
 
 def test_attention_softmax_is_a_softmax_whose_row_bits_ignore_batch_and_capacity():

@@ -103,11 +103,13 @@ __attribute__((target("avx2,fma"))) void Tile256(const float* x, int64_t xs, con
   }
 }
 
-// A decode step's one query against a layer's keys (mode kOutputs, 1 row): up to 16 vectors (256 outputs)
-// per pass, so each key row [k, n0 .. end) is read contiguously once, not in 64-output pieces, and the rows
-// kPrefetchRows on are prefetched (past the last row: the next head's rows, what comes next). The keys'
-// rows lie S floats apart, so each 64-output piece would restart the hardware prefetcher. The same chain
-// per output, so the same bits.
+// A decode step's one query against a layer's keys (mode kOutputs, 1 row): many vectors of outputs per pass
+// (AVX-512: up to 16, 256 outputs; AVX2: up to 8, 64 outputs, what its 16 registers hold), so each key row
+// [k, n0 .. end) is read contiguously once, not in 16- or 64-output pieces, the accumulators are that many
+// independent chains (a 1-row tile of AVX2 runs two, each waiting on the last multiply-add's latency), and the
+// rows kPrefetchRows on are prefetched (past the last row: what comes next). The keys' rows lie S floats apart
+// (C in a paged block), so each narrow piece would restart the hardware prefetcher. The same chain per
+// output, so the same bits.
 constexpr int kWideNV = 16;
 constexpr int64_t kPrefetchRows = 8;
 
@@ -132,25 +134,44 @@ __attribute__((target("avx512f,avx2,fma"))) void Wide512(const float* x, const f
   _mm512_mask_storeu_ps(y + 16 * (NV - 1), last, a[NV - 1]);
 }
 
+template <int NV>
+__attribute__((target("avx2,fma"))) void Wide256(const float* x, const float* w, int64_t ws, int64_t K,
+                                                 int64_t nn, float* y) {
+  const __m256i last = Lanes8(nn - 8 * (NV - 1));
+  __m256 a[NV];
+#pragma GCC unroll 8
+  for (int j = 0; j < NV; ++j) a[j] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const float* wk = w + k * ws;
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; j += 2) _mm_prefetch(reinterpret_cast<const char*>(wk + kPrefetchRows * ws + 8 * j), _MM_HINT_T0);
+    const __m256 xv = _mm256_set1_ps(x[k]);
+#pragma GCC unroll 8
+    for (int j = 0; j < NV - 1; ++j) a[j] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(wk + 8 * j), a[j]);
+    a[NV - 1] = _mm256_fmadd_ps(xv, _mm256_maskload_ps(wk + 8 * (NV - 1), last), a[NV - 1]);
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < NV - 1; ++j) _mm256_storeu_ps(y + 8 * j, a[j]);
+  _mm256_maskstore_ps(y + 8 * (NV - 1), last, a[NV - 1]);
+}
+
 using WideFn = void (*)(const float*, const float*, int64_t, int64_t, int64_t, float*);
 
-inline const WideFn* Wides() {  // Wides()[v]: v vectors (1 <= v <= kWideNV), or null without AVX-512
+struct Wide {
+  const WideFn* fns;  // fns[v]: v vectors (1 <= v <= vectors)
+  int lanes, vectors;
+  int64_t Pass() const { return int64_t{lanes} * vectors; }  // outputs per pass at most
+};
+
+inline const Wide& Wides() {  // dispatch::Chain(1)'s
   static const WideFn avx512[] = {nullptr,      Wide512<1>,  Wide512<2>,  Wide512<3>,  Wide512<4>,  Wide512<5>,
                                   Wide512<6>,   Wide512<7>,  Wide512<8>,  Wide512<9>,  Wide512<10>, Wide512<11>,
                                   Wide512<12>,  Wide512<13>, Wide512<14>, Wide512<15>, Wide512<16>};
-  static const WideFn* picked = dispatch::Chain(1) == dispatch::Isa::kAvx512 ? avx512 : nullptr;
+  static const WideFn avx2[] = {nullptr, Wide256<1>, Wide256<2>, Wide256<3>, Wide256<4>,
+                                Wide256<5>, Wide256<6>, Wide256<7>, Wide256<8>};
+  static const Wide picked =
+      dispatch::Chain(1) == dispatch::Isa::kAvx512 ? Wide{avx512, 16, kWideNV} : Wide{avx2, 8, 8};
   return picked;
-}
-
-// One query row m's outputs [n0, n1) through Wides(), zeros past its end.
-inline void WideRow(const Problem& p, const WideFn* wides, int64_t m, int64_t n0, int64_t n1) {
-  float* y = p.y + m * p.N;
-  const int64_t end = std::clamp<int64_t>(p.ends[m], n0, n1);
-  for (int64_t n = n0; n < end; n += 16 * kWideNV) {
-    const int64_t nn = std::min<int64_t>(16 * kWideNV, end - n);
-    wides[(nn + 15) / 16](p.x + m * p.K, p.w + n, p.N, p.K, nn, y + n);
-  }
-  std::fill(y + end, y + n1, 0.0f);
 }
 
 using TileFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*, int64_t, bool);
@@ -171,6 +192,27 @@ struct Pages {
   }
 };
 
+// One query row m's outputs [n0, n1) through Wides(), zeros past its end; over pages (keys), a pass stays
+// within one block.
+inline void WideRow(const Problem& p, int64_t m, int64_t n0, int64_t n1, const Pages* pages) {
+  const Wide& wide = Wides();
+  float* y = p.y + m * p.N;
+  const int64_t end = std::clamp<int64_t>(p.ends[m], n0, n1);
+  for (int64_t n = n0; n < end;) {
+    int64_t nn = std::min<int64_t>(wide.Pass(), end - n);
+    const float* w = p.w + n;
+    int64_t ws = p.N;
+    if (pages != nullptr) {
+      nn = std::min<int64_t>(nn, pages->C - n % pages->C);
+      w = pages->Block(n / pages->C) + n % pages->C;
+      ws = pages->C;
+    }
+    wide.fns[(nn + wide.lanes - 1) / wide.lanes](p.x + m * p.K, w, ws, p.K, nn, y + n);
+    n += nn;
+  }
+  std::fill(y + end, y + n1, 0.0f);
+}
+
 inline const TileFn* Tiles() {  // Tiles()[r]: r rows (1 <= r <= kMR), dispatch::Chain's
   static const TileFn avx512[] = {nullptr, Tile512<1>, Tile512<2>, Tile512<3>, Tile512<4>, Tile512<5>, Tile512<6>};
   static const TileFn avx2[] = {nullptr, Tile256<1>, Tile256<2>, Tile256<3>, Tile256<4>, Tile256<5>, Tile256<6>};
@@ -185,8 +227,8 @@ inline const TileFn* Tiles() {  // Tiles()[r]: r rows (1 <= r <= kMR), dispatch:
 // multiple of a tile's 64 outputs), values' chains go block by block.
 inline void Block(const Problem& p, int64_t m0, int64_t m1, int64_t n0, int64_t n1, const Pages* pages = nullptr) {
   const TileFn* tiles = Tiles();
-  if (p.M == 1 && p.mode == Ends::kOutputs && pages == nullptr && Wides() != nullptr)
-    return WideRow(p, Wides(), m0, n0, n1);
+  if (p.M == 1 && p.mode == Ends::kOutputs && (pages == nullptr || pages->keys))
+    return WideRow(p, m0, n0, n1, pages);
   for (int64_t n = n0; n < n1; n += 16 * kNV) {
     int64_t nn = std::min<int64_t>(16 * kNV, n1 - n);
     for (int64_t m = m0; m < m1; m += kMR) {
