@@ -158,8 +158,10 @@ def exact_score(model, prompt, tokens, penalty) -> float:
 
 def test_the_bundled_model_equals_transformers(bundled):
     """The same hypotheses; the scores within 1e-5 of the float64 answer. transformers' own float32 beam scores
-    sit ~3e-5 from it on this trained model (its batched cached steps round each logprob ~3e-5 off; its full
-    forward and one-row cached decode do not), so against them the bound is 1e-4."""
+    sit ~3e-5 from it on this trained model on an AVX-512 host and up to ~2e-4 on an AVX2-only one (its batched
+    cached steps round each logprob off, by how much depends on torch's kernels; its full forward and one-row
+    cached decode do not), so against them the bound is 5e-4: loose for their rounding, tight enough for a
+    different score (another length penalty, other tokens counted)."""
     hf, params, config = bundled
     enc = gpt2_jax.tokenizer()
     prompts = [enc.encode("ROMEO:"), enc.encode("First Citizen:\nBefore we proceed any further, hear me")]
@@ -175,7 +177,7 @@ def test_the_bundled_model_equals_transformers(bundled):
         for r, (tokens, score) in enumerate(theirs):
             exact = exact_score(hf, prompts[i % 2], tokens, penalty)
             assert abs(out.scores[i, r] - exact) <= 1e-5 * max(1.0, abs(exact)), (cases[i], r)
-            assert abs(out.scores[i, r] - score) <= 1e-4 * max(1.0, abs(score)), (cases[i], r)
+            assert abs(out.scores[i, r] - score) <= 5e-4 * max(1.0, abs(score)), (cases[i], r)
     assert (out.lengths[:3] < 16).any()
 
 
