@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import time
 
 import numpy as np
@@ -91,8 +92,6 @@ def main() -> None:
     p.add_argument("--context", type=int, default=320)
     p.add_argument("--repeats", type=int, default=7)
     args = p.parse_args()
-    import os
-
     import jax
     import jax.numpy as jnp
     from machine import describe
