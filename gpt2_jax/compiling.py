@@ -32,7 +32,8 @@ _EVENTS = (
 
 class CompileTimer:
     """with CompileTimer() as timer: ...  then timer.seconds is the compile time inside the block (0 when
-    every program was already compiled, or read back from the persistent compilation cache)."""
+    every program was already compiled in this process; a program read back from the persistent compilation cache
+    adds its tracing and the read)."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
@@ -50,9 +51,9 @@ class CompileTimer:
 
 
 class CompileCount:
-    """Counts the programs XLA compiles in this process from start() on (a program read back from the persistent
-    compilation cache is not compiled, so not counted), and their seconds. The server's /metrics shows it: a
-    long-lived process should compile nothing new once its programs are built."""
+    """Counts the programs XLA compiles in this process from start() on, and their seconds; a program read back
+    from the persistent compilation cache counts too (JAX's event spans the lookup), with the read's seconds. The
+    server's /metrics shows it: a long-lived process should compile nothing new once its programs are built."""
 
     def __init__(self) -> None:
         self.programs, self.seconds = 0, 0.0

@@ -12,5 +12,6 @@ _FLAG = "--xla_force_host_platform_device_count=8"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}".strip()
 
-# gpt2-jax's CLI keeps JAX's compiled programs in ~/.cache by default; tests that call main() do not.
-os.environ.setdefault("GPT2_JAX_COMPILATION_CACHE", "off")
+# gpt2-jax's CLI keeps JAX's compiled programs in ~/.cache by default; tests that call main() do not: they use
+# the test run's shared cache where tests/run.py made one, else none.
+os.environ.setdefault("GPT2_JAX_COMPILATION_CACHE", os.environ.get("JAX_COMPILATION_CACHE_DIR") or "off")

@@ -8,6 +8,15 @@ Why two at a time: most of the suite's time is XLA compiling small programs, whi
 so two files side by side use the CI machine's two cores (GPT2_JAX_TEST_JOBS=1 runs them one by one).
 The longest files start first. Prints each file's result with its wall time and a closing
 'N passed, N failed' line; exits non-zero if any file failed.
+Why one compilation cache for the run: many files compile the same programs (the same model widths, the servers'
+`--max-batch 4 --max-seq 128` on the bundled model, the notebooks' gpt2-small widths), each in its own process.
+Every process of the run, test files, their servers and the notebooks' kernels, reads and writes one JAX persistent
+compilation cache in a temporary directory (removed at the end; GPT2_JAX_TEST_CACHE=off runs without it). A program
+read back is the one XLA compiled, so the same bits. The cache has no size limit: with one, JAX locks the directory
+but also scans every entry on each write, which costs minutes over a run's thousands of programs. Without the lock,
+a read that catches another process's write half-done fails to decompress, and JAX compiles that program itself.
+JAX reports a program read back as compiled too (jax.monitoring's backend_compile event spans the cache lookup),
+so the tests that count compiles count the same.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -40,7 +50,22 @@ def run_file(path: Path) -> tuple[Path, subprocess.CompletedProcess, float]:
     return path, run, time.perf_counter() - start
 
 
+def shared_cache(where: str) -> dict[str, str]:
+    """The environment that points every JAX process of the run at one persistent compilation cache, every
+    program written (JAX's default skips those compiled in under a second)."""
+    return {"JAX_COMPILATION_CACHE_DIR": where, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}  # fmt: skip
+
+
 def main() -> int:
+    if os.environ.get("GPT2_JAX_TEST_CACHE", "").lower() in ("off", "0", "false", "no"):
+        return run_all()
+    with tempfile.TemporaryDirectory(prefix="gpt2_jax-tests-jax-cache-") as where:
+        os.environ.update(shared_cache(where))  # the file processes inherit it
+        return run_all()
+
+
+def run_all() -> int:
     totals = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
     bad = []
     start = time.perf_counter()

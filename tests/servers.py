@@ -22,7 +22,10 @@ class Server:
         self.args, self.key, self.env, self.command = list(args), key, dict(env or {}), command
 
     def start(self):
-        env = {**os.environ, "GPT2_JAX_COMPILATION_CACHE": str(self.cache_dir), **self.env}
+        # The test run's shared cache (tests/run.py) where there is one: servers of several files start the same
+        # model with the same widths, so most of their programs are compiled once in the run.
+        cache = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(self.cache_dir)
+        env = {**os.environ, "GPT2_JAX_COMPILATION_CACHE": cache, **self.env}
         self.port, self.lines, self.ready = None, [], threading.Event()
         self.started = time.monotonic()
         self.proc = subprocess.Popen([sys.executable, "-m", "gpt2_jax", self.command, "--port", "0", *self.args],

@@ -225,8 +225,8 @@ def test_compile_cache_dir(tmp_path):
 
 
 def test_cli_fills_the_compilation_cache_unless_told_not_to(hf_dir, tmp_path):
-    def generate(*extra, cache):
-        env = {**os.environ, "GPT2_JAX_COMPILATION_CACHE": str(cache)}
+    def generate(*extra, cache, **env_extra):
+        env = {**os.environ, "GPT2_JAX_COMPILATION_CACHE": str(cache), **env_extra}
         out = subprocess.run([sys.executable, "-m", "gpt2_jax", "generate", "--model", str(hf_dir), "--prompt", "hi",
                               "--max-new-tokens", "4", "--seed", "1", "--stream", *extra], capture_output=True,
                              text=True, env=env)  # fmt: skip
@@ -236,8 +236,9 @@ def test_cli_fills_the_compilation_cache_unless_told_not_to(hf_dir, tmp_path):
     first = generate(cache=tmp_path / "jc")
     assert len(list((tmp_path / "jc").iterdir())) >= 2  # prefill and the decode step, at least
     assert generate(cache=tmp_path / "jc") == first  # the second run reads them back
-    generate("--no-compile-cache", cache=tmp_path / "unused")
+    generate("--no-compile-cache", cache=tmp_path / "unused", JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax"))
     assert not (tmp_path / "unused").exists()
+    assert not (tmp_path / "jax").exists() or not list((tmp_path / "jax").iterdir())  # off means JAX's own too
 
 
 def test_processor_flags_match_the_library(hf_dir, capsys):

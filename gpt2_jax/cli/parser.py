@@ -158,7 +158,8 @@ def compile_cache_dir(environ: Mapping[str, str], disabled: bool = False) -> Pat
 def _use_compile_cache(args: argparse.Namespace) -> None:
     """Turn on JAX's persistent compilation cache, so a second run reuses the first run's programs."""
     where = compile_cache_dir(os.environ, args.no_compile_cache)
-    if where is None:
+    if where is None:  # off means off, JAX_COMPILATION_CACHE_DIR in the environment too
+        jax.config.update("jax_enable_compilation_cache", False)
         return
     jax.config.update("jax_compilation_cache_dir", str(where))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # the default (1 s) skips small programs
