@@ -238,7 +238,9 @@ def worker(name: str, seed: int, kinds: list, counter: Counter, deadline: float,
 
 
 def main() -> int:
-    if args.cache != "off":
+    if args.cache == "off":  # off means off, JAX_COMPILATION_CACHE_DIR in the environment (a test run's) too
+        jax.config.update("jax_enable_compilation_cache", False)
+    else:
         where = tempfile.mkdtemp(prefix="soak-cache-") if args.cache == "tmp" else args.cache
         jax.config.update("jax_compilation_cache_dir", where)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
