@@ -70,6 +70,7 @@ from machine import describe  # noqa: E402  (beside this script: python bench/co
 
 import gpt2_jax  # noqa: E402
 from gpt2_jax import GPT2Config, SamplingParams  # noqa: E402
+from gpt2_jax.compiling import use_persistent_cache  # noqa: E402
 from gpt2_jax.generation import decode_step, prefill  # noqa: E402
 from gpt2_jax.generation.batching import prepare  # noqa: E402
 from gpt2_jax.generation.generator import start  # noqa: E402
@@ -238,13 +239,8 @@ def worker(name: str, seed: int, kinds: list, counter: Counter, deadline: float,
 
 
 def main() -> int:
-    if args.cache == "off":  # off means off, JAX_COMPILATION_CACHE_DIR in the environment (a test run's) too
-        jax.config.update("jax_enable_compilation_cache", False)
-    else:
-        where = tempfile.mkdtemp(prefix="soak-cache-") if args.cache == "tmp" else args.cache
-        jax.config.update("jax_compilation_cache_dir", where)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    where = tempfile.mkdtemp(prefix="soak-cache-") if args.cache == "tmp" else args.cache
+    use_persistent_cache(None if args.cache == "off" else where)  # off: a test run's inherited cache too
     if args.torch == "on":
         import torch
         import transformers

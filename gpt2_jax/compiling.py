@@ -10,6 +10,18 @@ import jax
 import numpy as np
 
 
+def use_persistent_cache(where: str | None) -> None:
+    """Keep XLA's compiled programs in the directory `where` between processes, every program written (JAX's
+    default skips those compiled in under a second), or, for None, no persistent cache at all: off means off, one
+    that JAX_COMPILATION_CACHE_DIR in the environment switched on too."""
+    if where is None:
+        jax.config.update("jax_enable_compilation_cache", False)
+        return
+    jax.config.update("jax_compilation_cache_dir", where)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
 def pow2_bucket(n: int, minimum: int = 1) -> int:
     """The smallest power of two >= max(n, minimum, 1): a shape rounded so that nearby sizes share a program."""
     return 1 << (max(n, minimum, 1) - 1).bit_length()

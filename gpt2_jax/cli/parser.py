@@ -9,8 +9,6 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-import jax
-
 from gpt2_jax.cli import convert as cli_convert
 from gpt2_jax.cli import generate as cli_generate
 from gpt2_jax.cli import info as cli_info
@@ -19,6 +17,7 @@ from gpt2_jax.cli import serve as cli_serve
 from gpt2_jax.cli import serve_args as cli_serve_args
 from gpt2_jax.cli import train as cli_train
 from gpt2_jax.cli.help import HelpFormatter
+from gpt2_jax.compiling import use_persistent_cache
 from gpt2_jax.errors import GPT2JaxError
 from gpt2_jax.model.precision_type import MODES
 
@@ -158,12 +157,7 @@ def compile_cache_dir(environ: Mapping[str, str], disabled: bool = False) -> Pat
 def _use_compile_cache(args: argparse.Namespace) -> None:
     """Turn on JAX's persistent compilation cache, so a second run reuses the first run's programs."""
     where = compile_cache_dir(os.environ, args.no_compile_cache)
-    if where is None:  # off means off, JAX_COMPILATION_CACHE_DIR in the environment too
-        jax.config.update("jax_enable_compilation_cache", False)
-        return
-    jax.config.update("jax_compilation_cache_dir", str(where))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # the default (1 s) skips small programs
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    use_persistent_cache(None if where is None else str(where))
 
 
 def main(argv: list[str] | None = None) -> int:
