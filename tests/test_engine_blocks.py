@@ -191,3 +191,43 @@ def test_block_pool_names_reuse_and_evicts_least_recently_used():
     assert pool.stats()["prefix_evictions"] == 3 and pool.plan(a, 16) is None  # the pool is full now
     pool.release(other, [])
     assert pool.plan(a, 16).reused == []  # evicted names are gone
+
+
+def test_a_prompt_that_is_in_moves_down_so_the_decoding_rows_stay_packed(model):
+    """A decode step runs over rows [0, highest decoding row], so the rows whose prompt is in are kept at the
+    bottom: a prompt that becomes whole moves to the lowest row that is not decoding (a free one, or one whose
+    prompt is still going in, which moves up in its place). Rows 0 and 1 decode, two constrained long prompts go
+    in on rows 2 and 3, row 0's request ends: the first long prompt moves to row 0 (its constraint's tables are
+    re-packed while the other's prompt is still going in), the second to row 2, row 3 is left free, and every
+    request equals generate alone, bit for bit."""
+    params, config = model
+    engine = Engine(params, config, max_batch=4, max_queue=4, max_seq=256, prefill_chunk=32)
+    engine.programs.compile()
+    rng = np.random.default_rng(11)
+    V = config.valid_vocab - 1
+    short, rec_short = request(rng.integers(0, V, 5).tolist(), 40, max_new_tokens=5, temperature=0.0)
+    long_run, rec_long_run = request(rng.integers(0, V, 5).tolist(), 41, max_new_tokens=40, top_logprobs=2,
+                                     temperature=0.8)  # fmt: skip
+    first, rec_first = request(rng.integers(0, V, 200).tolist(), 42, max_new_tokens=30,
+                               constraint=constraints.regex("[a-z ]{40,60}"), temperature=0.9)  # fmt: skip
+    second, rec_second = request(rng.integers(0, V, 150).tolist(), 43, max_new_tokens=8,
+                                 constraint=constraints.choice(["yes", "no", "maybe"]))  # fmt: skip
+    for r in (short, long_run):
+        engine.submit(r)
+    engine.step()
+    engine.step()
+    for r in (first, second):
+        engine.submit(r)
+    names = {id(short): "short", id(long_run): "long_run", id(first): "first", id(second): "second"}
+    rows = lambda: [None if s is None else names[id(s.request)] for s in engine.rows.slots]
+    assert rows() == ["short", "long_run", None, None]
+    seen = []
+    while engine.step():
+        if rows() not in seen:
+            seen.append(rows())
+    assert ["short", "long_run", "first", "second"] in seen, seen  # the long prompts went in on rows 2 and 3
+    assert ["first", "long_run", None, "second"] in seen, seen  # the first moved down to the row short left
+    assert ["first", "long_run", "second", None] in seen, seen  # and the second to the lowest row not decoding
+    engine.stop()
+    for req, rec in [(short, rec_short), (long_run, rec_long_run), (first, rec_first), (second, rec_second)]:
+        assert_alone(params, config, req, rec)

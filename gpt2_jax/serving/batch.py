@@ -75,6 +75,19 @@ class DeviceBatch:
             jax.tree.map(put, getattr(self.host, part), getattr(rules, part))
         self.rules = self._device_rules()
 
+    def swap_rows(self, b: int, j: int) -> None:
+        """Swap rows b and j's host rules, max_new_tokens and speculation flag (two rows whose decode state is
+        not live: a prompt going in, or a free row)."""
+
+        def swap(a):
+            a[[b, j]] = a[[j, b]]
+
+        for part in ("settings", "processors", "stop"):
+            jax.tree.map(swap, getattr(self.host, part))
+        swap(self.until)
+        swap(self.want)
+        self.rules = self._device_rules()
+
     def fits(self, automata: list, new: Any) -> bool:
         """Whether the tables can hold `new` beside the automata rows hold now (each distinct one is stored once)."""
         held = {id(a): a for a in automata if a is not None}

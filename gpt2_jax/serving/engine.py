@@ -5,8 +5,9 @@ the leading ones straight from the prefix cache when another request already com
 then goes in chunk by chunk (at most prefill_chunk tokens per engine step, generation.paged.prefill_chunk), each
 chunk between two decode steps or, a full one that ends no prompt, inside the decode step's forward
 (generation.paged.decode_rows_with_chunk), so the running streams keep flowing while a long prompt arrives. Then it joins
-the decode steps, which advance every decoding row at once (decode_rows over the first 1, 2, 8, 32, ... rows, the
-smallest compiled size that covers them), and leaves the moment it finishes; its named blocks stay cached.
+the decode steps, which advance every decoding row at once (decode_rows over the first 1, 2, 8, 16, 32, ... rows,
+the smallest compiled size that covers them; a row whose prompt is whole moves down to the lowest row not decoding,
+so the decoding rows stay packed), and leaves the moment it finishes; its named blocks stay cached.
 With speculation (serving.speculation), a step may instead be a speculative round that gives each row up to k + 1
 tokens, the ones plain steps would give. Because a row's bits never depend on its neighbours, its row, its blocks, who computed a shared block, the chunks
 its prompt was cut into or when it arrived, a served request gives exactly the tokens and logprobs of `generate`

@@ -4,7 +4,7 @@ EnginePrograms is the Engine's registry of programs (held by the Engine, not mix
 named method that gives its compiled callable:
   prefill(T)           one prompt chunk of T tokens (T: 16, 32, ... up to prefill_chunk; while no row decodes, up
                        to IDLE_CHUNK where built: idle_chunk)
-  decode(R, top)       the smallest built decode step over rows [0, R) (R: 1, 2, 8, 32, ... and max_batch)
+  decode(R, top)       the smallest built decode step over rows [0, R) (R: 1, 2, 8, 16, 32, ... and max_batch)
   ride(R, P)           a decode step over rows [0, R) with P prompts' chunks of prefill_chunk tokens riding in
                        its forward (R: the decode sizes from RIDE_ROWS up; P: 1 and the batched chunk sizes)
   speculate(R, top)    with speculation: the smallest built speculative round over rows [0, R)
@@ -35,7 +35,7 @@ from gpt2_jax.serving.chunking import PROMPTS_PER_STEP, ROWS_PER_CHUNK
 from gpt2_jax.serving.programs import Programs
 from gpt2_jax.serving.slots import Request, set_automaton
 
-ROW_BUCKETS = (1, 2, 8, 32, 128, 512)  # decode-step sizes: a lone stream runs the fastest, one row
+ROW_BUCKETS = (1, 2, 8, 16, 32, 128, 512)  # decode-step sizes: a lone stream runs the fastest, one row
 RIDE_ROWS = 8  # the smallest decode step a chunk rides: the steps that run while many prompts arrive
 IDLE_CHUNK = 256  # the largest prompt chunk while no row decodes (nobody waits for it), where it is built
 I32 = jax.ShapeDtypeStruct((), jnp.int32)

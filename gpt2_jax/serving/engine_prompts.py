@@ -7,6 +7,7 @@ A mixin of serving.engine_rows.EngineRows, which owns the state named below: a p
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,7 @@ class PromptChunks:
     """Prompt chunks into the rows' KV blocks; the state is EngineRows'."""
 
     params: Params
+    lock: threading.Condition
     slots: list[Slot | None]
     batch: DeviceBatch
     pool: BlockPool
@@ -35,6 +37,8 @@ class PromptChunks:
     capacity: int
     prefill_tokens: int
     per_row: float
+
+    def _repack(self) -> None: ...
 
     def decoding(self) -> list[int]:
         """The rows whose prompt is in."""
@@ -81,18 +85,37 @@ class PromptChunks:
             self.batch.draft_pool = self.programs.draft(T, P)(spec.draft_params, self.batch.draft_pool, c.tables,
                                                               c.tokens, c.start)  # fmt: skip
         logits = np.asarray(logits)  # on the host, a row of it is a view: slicing the device array would compile
+        whole = []
         for i, b in enumerate(c.rows):
             slot = self._slot(b)
             slot.prefilled += int(c.taken[i])
             self.prefill_tokens += int(c.taken[i])
             self.pool.register(slot.blocks, slot.names, min(slot.prefilled // KEY_BLOCK, len(slot.names)))
             if slot.prefilled == len(slot.request.prompt):
-                self._start(b, slot, c.tables[i], logits[i])
+                whole.append((slot, c.tables[i], logits[i]))
+        for slot, table, row_logits in whole:  # by slot: _lowest may move a row of this chunk
+            self._start(self._lowest(slot), slot, table, row_logits)
 
     def _slot(self, b: int) -> Slot:
         slot = self.slots[b]
         assert slot is not None, f"row {b} holds no request"
         return slot
+
+    def _lowest(self, slot: Slot) -> int:
+        """Move a row whose prompt is now whole to the lowest row that is not decoding (swapping with the prompt
+        there, if any) -> its row. The decoding rows stay packed at the bottom, so a decode step runs over as few
+        rows as decode (the step covers rows [0, highest decoding row]); rows stay where they are once decoding."""
+        b = next(i for i, s in enumerate(self.slots) if s is slot)
+        j = next(i for i, s in enumerate(self.slots) if s is None or not s.decoding)
+        if j >= b:
+            return b
+        other = self.slots[j]  # None, or a prompt still going in
+        with self.lock:
+            self.slots[b], self.slots[j] = other, slot
+        self.batch.swap_rows(b, j)
+        if slot.automaton is not None or (other is not None and other.automaton is not None):
+            self._repack()
+        return j
 
     def _start(self, b: int, slot: Slot, table: np.ndarray, logits: Any) -> None:
         """Row b's prompt is in: it joins the decode steps."""
