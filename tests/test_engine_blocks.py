@@ -12,6 +12,7 @@ from gpt2_jax.sampling import constraints
 from gpt2_jax.serving import Engine
 from gpt2_jax.serving.blocks import BlockPool, block_names
 from gpt2_jax.serving.engine import Request
+from gpt2_jax.tokenizer import tokenizer
 from tests.reference import make_hf_model
 
 
@@ -231,3 +232,52 @@ def test_a_prompt_that_is_in_moves_down_so_the_decoding_rows_stay_packed(model):
     engine.stop()
     for req, rec in [(short, rec_short), (long_run, rec_long_run), (first, rec_first), (second, rec_second)]:
         assert_alone(params, config, req, rec)
+
+
+def test_back_to_back_steps_drop_what_a_row_that_ended_made_after_its_end(model):
+    """While every row decodes and nothing waits, the engine dispatches a step before it hands out the last one's
+    tokens (EngineRows.chain), so a row that ends on the host (a stop string, a cancel) has already run one more
+    step. That token is dropped and its K/V write lands in the row's own unnamed block: the request ends exactly
+    where generate alone ends, its neighbour is untouched, and a request that arrives later, reusing the first's
+    named prompt block from the prefix cache and its freed blocks, equals generate alone, bit for bit."""
+    params, config = model
+    rng = np.random.default_rng(21)
+    V = config.valid_vocab - 1
+    prompt = rng.integers(0, V, 150).tolist()  # block 0 named once the prompt is in; decoding writes from slot 150
+    alone = generate(params, config, [prompt], jax.random.key(50), sampling=SamplingParams(max_new_tokens=30))
+    enc = tokenizer()
+    made = alone.tokens[0, : alone.lengths[0]].tolist()
+    stop = enc.decode(made[8:10])  # a stop string the row reaches mid-way, found on the host
+    assert stop and stop not in enc.decode(made[:8]), stop
+    stopping, rec_stopping = request(prompt, 50, max_new_tokens=30, stop=[stop])
+    cancelled, rec_cancelled = request(rng.integers(0, V, 20).tolist(), 51, max_new_tokens=60, temperature=0.9)
+    plain, rec_plain = request(rng.integers(0, V, 12).tolist(), 52, max_new_tokens=60, top_logprobs=2)
+    later, rec_later = request(prompt + rng.integers(0, V, 5).tolist(), 53, max_new_tokens=20, temperature=0.7)
+
+    def cancel_after_6(kind, payload, rec=rec_cancelled):
+        rec(kind, payload)
+        if kind == "token" and len(rec.tokens) == 6:
+            cancelled.cancel()
+
+    cancelled.on_event = cancel_after_6
+    engine = Engine(params, config, max_batch=3, max_queue=4, max_seq=256, num_blocks=7, prefill_chunk=32)
+    engine.programs.compile()
+    chained, chain = [0], engine.rows.chain
+
+    def counting():
+        ok = chain()
+        chained[0] += ok
+        return ok
+
+    engine.rows.chain = counting
+    run(engine, [(0, stopping), (0, cancelled), (0, plain), (0, later)])  # later waits in the queue for a row
+    engine.stop()
+    assert chained[0] >= 40, chained  # most steps ran back to back
+    for req, rec in [(stopping, rec_stopping), (plain, rec_plain), (later, rec_later)]:
+        assert_alone(params, config, req, rec)
+    assert rec_stopping.end == ("done", ("stop", stop)) and len(rec_stopping.tokens) < 30
+    assert rec_cancelled.end[0] == "error" and len(rec_cancelled.tokens) == 6
+    g = generate(params, config, [cancelled.prompt], jax.random.key(51),
+                 sampling=cancelled.sampling.replace(logprobs=True))  # fmt: skip
+    assert rec_cancelled.tokens == g.tokens[0, :6].tolist()
+    assert engine.stats()["prefix_hit_tokens"] >= 128, engine.stats()  # later found block 0 cached

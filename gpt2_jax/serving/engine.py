@@ -8,7 +8,9 @@ chunk between two decode steps or, a full one that ends no prompt, inside the de
 the decode steps, which advance every decoding row at once (decode_rows over the first 1, 2, 8, 16, 32, ... rows,
 the smallest compiled size that covers them; a row whose prompt is whole moves down to the lowest row not decoding,
 so the decoding rows stay packed), and leaves the moment it finishes; its named blocks stay cached.
-With speculation (serving.speculation), a step may instead be a speculative round that gives each row up to k + 1
+While every busy row decodes and nothing waits, steps run back to back: the next one is dispatched before the
+last one's tokens are handed out (EngineRows.chain). With speculation (serving.speculation), a step may instead
+be a speculative round that gives each row up to k + 1
 tokens, the ones plain steps would give. Because a row's bits never depend on its neighbours, its row, its blocks, who computed a shared block, the chunks
 its prompt was cut into or when it arrived, a served request gives exactly the tokens and logprobs of `generate`
 run on it alone with the same key.
@@ -130,13 +132,18 @@ class Engine:
 
     def step(self) -> bool:
         """Drop cancelled requests, admit waiting ones, put the next prompt chunk(s) in, then run one decode step
-        (a chunk that rides goes in inside the step's forward: EngineRows.rides). False when idle (nothing
+        (a chunk that rides goes in inside the step's forward: EngineRows.rides); or, while every busy row decodes
+        and nothing waits, dispatch the next decode step and hand out the last one's tokens (EngineRows.chain),
+        else hand those out first. False when idle (nothing
         running, nothing queued); while queued requests only wait (for their programs, for blocks), it sleeps
         until something changes (at most 0.1 s) and returns True."""
         self._abort_late()
         rows = self.rows
         rows.finish([(b, "error", Cancelled("cancelled")) for b, s in enumerate(rows.slots)
                      if s is not None and s.request.cancelled])  # fmt: skip
+        if not self.queue and rows.chainable() and rows.chain():
+            return True  # plain decode steps back to back: nothing waits to come in
+        rows.settle()
         rows.admit(self.queue)
         chunk = rows.plan_chunk()
         riding = chunk is not None and bool(rows.decoding()) and rows.rides(chunk)

@@ -42,6 +42,15 @@ I32 = jax.ShapeDtypeStruct((), jnp.int32)
 Compiled = jax.stages.Compiled
 
 
+@functools.partial(jax.jit, static_argnames=("config", "rows", "r"), donate_argnames="state")
+def _decode_and_done(params: Params, state: Any, rules: Any, config: Any, rows: int, r: int = 0) -> tuple:
+    """decode_rows, and which rows are done after it as an output of its own: the engine hands a step's new state
+    to the next step (donated) before it reads this step's results (EngineRows.chain), so it cannot read them
+    from the state."""
+    state, step = decode_rows(params, state, rules, config, rows, r)
+    return state, step, state.done[:rows]
+
+
 class Name(NamedTuple):
     """A program's name in the compiler's registry and log: ("prefill", 32), ("row", "stop")."""
 
@@ -89,7 +98,7 @@ class EnginePrograms:
 
     def decode(self, rows: int, top: bool) -> Compiled | None:
         """generation.decode_rows for rows [0, rows): the smallest built step that covers them (with top logprobs
-        if asked), or None when none is built."""
+        if asked), or None when none is built. It returns (state, Step, done [rows]): _decode_and_done."""
         name = self._built(rows, top, _decode_name)
         return None if name is None else self.compiler.get(name)
 
@@ -155,7 +164,7 @@ class EnginePrograms:
 
     def want_decode(self, rows: int, top: bool = False, priority: float = 1.0) -> Name:
         s, r = self.shapes, MAX_TOP_LOGPROBS if top else 0
-        build = lambda: decode_rows.lower(s.params, s.state, s.rules, s.config, rows, r).compile()
+        build = lambda: _decode_and_done.lower(s.params, s.state, s.rules, s.config, rows, r).compile()
         self.compiler.want(_decode_name(rows, top), build, priority)
         return _decode_name(rows, top)
 

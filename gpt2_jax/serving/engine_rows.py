@@ -64,6 +64,7 @@ class EngineRows(PromptChunks):
         """Every block free, the prefix cache empty, the device batch new."""
         self.pool = BlockPool(self.num_blocks, KEY_BLOCK)
         draft = None if self.speculation is None else self.speculation.draft
+        self.pending: tuple | None = None  # a plain step chain dispatched whose tokens are not handed out yet
         self.batch = DeviceBatch(self.params, self.config, self.max_batch, self.num_blocks, self.blocks_per_row,
                                  *self.constraint_sizes, draft)  # fmt: skip
 
@@ -143,7 +144,7 @@ class EngineRows(PromptChunks):
         if chunk is not None and ride is None:
             self.prefill(chunk)
         t = time.perf_counter()
-        batch = self.batch
+        batch, done = self.batch, None
         if run is not None:
             spec = self.speculation
             assert spec is not None, "a round runs only with speculation"
@@ -163,7 +164,7 @@ class EngineRows(PromptChunks):
                 if step is None:  # not compiled yet (admission waits for it, so only after a failure): try again soon
                     time.sleep(0.01)
                     return
-                batch.state, out = step(self.params, batch.state, batch.rules)
+                batch.state, out, done = step(self.params, batch.state, batch.rules)
             out = jax.tree.map(lambda a: np.asarray(a)[:, None], out)  # one token per row: Steps [rows, 1], on the host
             kept = np.ones(len(out.token), np.int32)
         token, logprob = np.asarray(out.token), np.asarray(out.logprob)
@@ -171,9 +172,56 @@ class EngineRows(PromptChunks):
         if ride is None:  # a step with a chunk in it is no plain step to time speculation against
             self._observe(rows, slots, kept, time.perf_counter() - t, token.shape[1] > 1)
         self.per_row = float(np.mean([kept[b] for b, _ in slots])) if slots else 1.0  # chunking's pace
-        done = np.asarray(self.batch.state.done)
+        self._hand_out(slots, token, logprob, top_ids, top_lp, kept, np.asarray(self.batch.state.done if done is None
+                                                                                else done))  # fmt: skip
+
+    # ---- plain decode steps back to back -------------------------------------------------------------------
+    def chainable(self) -> bool:
+        """Whether the next step is a plain decode step whatever the last one's tokens say: rows decode, no prompt
+        is going in, and no speculation policy chooses the step (the Engine also wants an empty queue)."""
+        active = self.active()
+        return self.policy is None and bool(active) and all(s.decoding for s in active)
+
+    def chain(self) -> bool:
+        """Dispatch the next plain decode step over the decoding rows, then hand out the last one's tokens while it
+        runs: the dispatch and the host's work on the tokens overlap the step instead of adding to it. A row that
+        ends on the last step's tokens (a stop string, a cancel) has run this step too; its token is dropped and
+        its write lands in its own unnamed block, before stop_rows and before any later owner of the block. False
+        (nothing dispatched) when the step's program is not built."""
+        decoding = self.decoding()
+        slots = [(b, self._slot(b)) for b in decoding]
+        step = self.programs.decode(max(decoding) + 1, any(s.request.sampling.top_logprobs for _, s in slots))
+        if step is None:
+            return False
+        b = self.batch
+        b.state, out, done = step(self.params, b.state, b.rules)
+        last, self.pending = self.pending, (slots, out, done)
+        if last is not None:
+            self._settle(last)
+        return True
+
+    def settle(self) -> None:
+        """Hand out the tokens of a step chain dispatched, if any."""
+        last, self.pending = self.pending, None
+        if last is not None:
+            self._settle(last)
+
+    def _settle(self, pending: tuple) -> None:
+        slots, out, done = pending
+        out = jax.tree.map(lambda a: np.asarray(a)[:, None], out)  # waits for the step
+        kept = np.ones(len(out.token), np.int32)
+        self.per_row = 1.0
+        self._hand_out(slots, np.asarray(out.token), np.asarray(out.logprob), np.asarray(out.top_ids),
+                       np.asarray(out.top_logprobs), kept, np.asarray(done))  # fmt: skip
+
+    def _hand_out(self, slots: list[tuple[int, Slot]], token: np.ndarray, logprob: np.ndarray, top_ids: np.ndarray,
+                  top_lp: np.ndarray, kept: np.ndarray, done: np.ndarray) -> None:  # fmt: skip
+        """A step's tokens to its rows' requests ([rows, j] each, kept[b] of row b's), and the rows that are done
+        end. A row that ended since the step was dispatched (chain) is skipped."""
         ended: list[Ended] = []
         for b, slot in slots:
+            if self.slots[b] is not slot:
+                continue
             n = slot.request.sampling.top_logprobs
             for j in range(int(kept[b])):
                 slot.made += 1
