@@ -137,7 +137,7 @@ class EngineRows(PromptChunks):
         its token(s), and the rows that are done end. A chunk (one that rides) goes through the model in the
         step's own forward where that program is built, else on its own first."""
         slots = [(b, s) for b in decoding if (s := self.slots[b]) is not None]
-        top = any(s.request.sampling.top_logprobs for _, s in slots)
+        top = _wants_top(slots)
         rows = max(decoding) + 1
         run = self._round(rows, top, [s.request for _, s in slots])
         ride = None if chunk is None or run is not None or top else self.programs.ride(rows, len(chunk.rows))
@@ -165,15 +165,12 @@ class EngineRows(PromptChunks):
                     time.sleep(0.01)
                     return
                 batch.state, out, done = step(self.params, batch.state, batch.rules)
-            out = jax.tree.map(lambda a: np.asarray(a)[:, None], out)  # one token per row: Steps [rows, 1], on the host
-            kept = np.ones(len(out.token), np.int32)
-        token, logprob = np.asarray(out.token), np.asarray(out.logprob)
-        top_ids, top_lp = np.asarray(out.top_ids), np.asarray(out.top_logprobs)
+            out, kept = _one_token(out)
+        out = jax.tree.map(np.asarray, out)
         if ride is None:  # a step with a chunk in it is no plain step to time speculation against
-            self._observe(rows, slots, kept, time.perf_counter() - t, token.shape[1] > 1)
+            self._observe(rows, slots, kept, time.perf_counter() - t, out.token.shape[1] > 1)
         self.per_row = float(np.mean([kept[b] for b, _ in slots])) if slots else 1.0  # chunking's pace
-        self._hand_out(slots, token, logprob, top_ids, top_lp, kept, np.asarray(self.batch.state.done if done is None
-                                                                                else done))  # fmt: skip
+        self._hand_out(slots, out, kept, np.asarray(self.batch.state.done if done is None else done))
 
     # ---- plain decode steps back to back -------------------------------------------------------------------
     def chainable(self) -> bool:
@@ -190,7 +187,7 @@ class EngineRows(PromptChunks):
         (nothing dispatched) when the step's program is not built."""
         decoding = self.decoding()
         slots = [(b, self._slot(b)) for b in decoding]
-        step = self.programs.decode(max(decoding) + 1, any(s.request.sampling.top_logprobs for _, s in slots))
+        step = self.programs.decode(max(decoding) + 1, _wants_top(slots))
         if step is None:
             return False
         b = self.batch
@@ -208,16 +205,15 @@ class EngineRows(PromptChunks):
 
     def _settle(self, pending: tuple) -> None:
         slots, out, done = pending
-        out = jax.tree.map(lambda a: np.asarray(a)[:, None], out)  # waits for the step
-        kept = np.ones(len(out.token), np.int32)
+        out, kept = _one_token(out)  # waits for the step
         self.per_row = 1.0
-        self._hand_out(slots, np.asarray(out.token), np.asarray(out.logprob), np.asarray(out.top_ids),
-                       np.asarray(out.top_logprobs), kept, np.asarray(done))  # fmt: skip
+        self._hand_out(slots, out, kept, np.asarray(done))
 
-    def _hand_out(self, slots: list[tuple[int, Slot]], token: np.ndarray, logprob: np.ndarray, top_ids: np.ndarray,
-                  top_lp: np.ndarray, kept: np.ndarray, done: np.ndarray) -> None:  # fmt: skip
-        """A step's tokens to its rows' requests ([rows, j] each, kept[b] of row b's), and the rows that are done
-        end. A row that ended since the step was dispatched (chain) is skipped."""
+    def _hand_out(self, slots: list[tuple[int, Slot]], out: Any, kept: np.ndarray, done: np.ndarray) -> None:
+        """A step's tokens (out: a Step of [rows, j] arrays on the host, kept[b] of row b's) to its rows'
+        requests, and the rows that are done end. A row that ended since the step was dispatched (chain) is
+        skipped."""
+        token, logprob, top_ids, top_lp = out.token, out.logprob, out.top_ids, out.top_logprobs
         ended: list[Ended] = []
         for b, slot in slots:
             if self.slots[b] is not slot:
@@ -287,3 +283,14 @@ class EngineRows(PromptChunks):
             self._repack()
         for slot, (_, kind, payload) in zip(slots, ended):
             tell(slot.request, kind, payload)
+
+
+def _wants_top(slots: list[tuple[int, Slot]]) -> bool:
+    """Whether a step over these rows needs the program with top logprobs."""
+    return any(s.request.sampling.top_logprobs for _, s in slots)
+
+
+def _one_token(out: Any) -> tuple[Any, np.ndarray]:
+    """A plain step's Step (one token per row) on the host as [rows, 1] arrays, and kept: 1 for every row."""
+    out = jax.tree.map(lambda a: np.asarray(a)[:, None], out)
+    return out, np.ones(len(out.token), np.int32)
